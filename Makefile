@@ -1,0 +1,31 @@
+# Two commands do all set-up on a fresh machine: `make test` (and, later, `make demo`).
+# The virtual environment lives in .venv at the repo root and is (re)installed when its inputs change.
+
+PYTHON ?= python3.11
+VENV := .venv
+VPY := $(VENV)/bin/python
+# The CPU wheel of torch this project's machines ship; GPU machines install their own torch first.
+TORCH_SPEC ?= torch==2.13.0
+SGLANG_SPEC ?= sglang==0.5.23
+STAMP := $(VENV)/.installed
+
+.PHONY: test install clean-venv
+
+test: $(STAMP)
+	$(VPY) -m pytest
+
+install: $(STAMP)
+
+# pip must never resolve sglang's own requirements (a CUDA torch and GBs of GPU packages): torch is
+# installed first, sglang with --no-deps, then the pinned list of what sglang imports at run time.
+$(STAMP): pyproject.toml requirements/sglang-cpu.txt Makefile
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --upgrade pip
+	$(VPY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(VPY) -m pip install --quiet --no-deps "$(SGLANG_SPEC)"
+	$(VPY) -m pip install --quiet -r requirements/sglang-cpu.txt
+	$(VPY) -m pip install --quiet -e ".[all,dev]"
+	touch $(STAMP)
+
+clean-venv:
+	rm -rf $(VENV)

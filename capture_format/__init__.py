@@ -1,0 +1,102 @@
+"""capture_format: the one definition of capture records, wire frames, codecs and shard files.
+
+Shared by the SGLang plugin (encodes frames), the collector (inspects frames, writes shards) and
+the trainer (reads shards). It imports only the standard library, numpy, zstandard and xxhash,
+never torch, fastapi, sglang or pydantic: a test checks this. The format is documented by example
+in README.md next to this file.
+"""
+
+from capture_format.bfloat16 import bfloat16_bits_from_float32, float32_from_bfloat16_bits
+from capture_format.codecs import AVAILABLE_CODECS, Codec, get_codec
+from capture_format.errors import (
+    CaptureFormatError,
+    ChecksumError,
+    CodecError,
+    FrameError,
+    InvalidRecordError,
+    ShardError,
+    UnknownCodecError,
+)
+from capture_format.frame_header import FrameInfo, TensorInfo
+from capture_format.layers import (
+    LayerConfigError,
+    capture_layers_from_sglang_ids,
+    capture_layers_to_sglang_ids,
+    default_capture_layers,
+    validate_capture_layers,
+)
+from capture_format.frames import (
+    DEFAULT_CODECS,
+    FRAME_FORMAT_VERSION,
+    FRAME_MAGIC,
+    FRAME_PREFIX_NBYTES,
+    MAX_FRAME_NBYTES,
+    FramePrefix,
+    decode_frame,
+    encode_frame,
+    inspect_frame,
+    parse_frame_prefix,
+    read_frame_prefix,
+)
+from capture_format.records import (
+    AUX_SEMANTICS,
+    FINAL_SEMANTICS,
+    SCHEMA_VERSION,
+    STATE_DTYPES,
+    TOKEN_ID_DTYPE,
+    CaptureRecord,
+    spans_from_mask,
+)
+from capture_format.shard_index import INDEX_FORMAT_VERSION, IndexEntry, ShardIndex, load_index
+from capture_format.shard_reader import ShardDirectory, VerifyReport, verify_shard
+from capture_format.shards import RecoveryReport, ShardWriter, recover_open_shard
+
+__all__ = [
+    "AUX_SEMANTICS",
+    "AVAILABLE_CODECS",
+    "DEFAULT_CODECS",
+    "FINAL_SEMANTICS",
+    "FRAME_FORMAT_VERSION",
+    "FRAME_MAGIC",
+    "FRAME_PREFIX_NBYTES",
+    "INDEX_FORMAT_VERSION",
+    "MAX_FRAME_NBYTES",
+    "SCHEMA_VERSION",
+    "STATE_DTYPES",
+    "TOKEN_ID_DTYPE",
+    "CaptureFormatError",
+    "CaptureRecord",
+    "ChecksumError",
+    "Codec",
+    "CodecError",
+    "FrameError",
+    "FrameInfo",
+    "FramePrefix",
+    "IndexEntry",
+    "InvalidRecordError",
+    "LayerConfigError",
+    "RecoveryReport",
+    "ShardDirectory",
+    "ShardError",
+    "ShardIndex",
+    "ShardWriter",
+    "TensorInfo",
+    "UnknownCodecError",
+    "VerifyReport",
+    "bfloat16_bits_from_float32",
+    "capture_layers_from_sglang_ids",
+    "capture_layers_to_sglang_ids",
+    "default_capture_layers",
+    "validate_capture_layers",
+    "decode_frame",
+    "encode_frame",
+    "float32_from_bfloat16_bits",
+    "get_codec",
+    "inspect_frame",
+    "load_index",
+    "parse_frame_prefix",
+    "read_frame_prefix",
+    "recover_open_shard",
+    "spans_from_mask",
+    "verify_shard",
+]

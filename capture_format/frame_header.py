@@ -1,0 +1,257 @@
+"""The JSON header of a frame: what it holds and how it is checked.
+
+What must hold for a header `parse_header` accepts:
+- it is a JSON object (UTF-8, no duplicate keys, no NaN/Infinity) with exactly HEADER_KEYS;
+- record fields obey the record rules (`records.py`) and the semantics labels are the known ones;
+- "tensors" lists token_ids, aux, final in this order, each with exactly TENSOR_KEYS, the dtype and
+  shape the record fields imply ([T], [T, K, H], [T, H]), raw_nbytes == product(shape) * itemsize,
+  a known codec that accepts the element size, and hex xxh3_64 checksums;
+- stored tensors tile the payload: offsets start at 0, each tensor starts where the previous ends,
+  the last ends at payload_nbytes (no gaps, no overlap, nothing outside).
+Everything a reader will allocate is bounded by these checks before any tensor is decoded.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from capture_format import records
+from capture_format.codecs import get_codec
+from capture_format.errors import CodecError, FrameError, check_json_type, describe
+
+__all__ = ["FrameInfo", "TensorInfo", "dump_header", "load_header", "parse_header"]
+
+TENSOR_NAMES = ("token_ids", "aux", "final")
+TOKEN_IDS_DTYPE_LABEL = "int32"
+ELEMENT_DTYPES = {TOKEN_IDS_DTYPE_LABEL: records.TOKEN_ID_DTYPE, **records.STATE_DTYPES}
+HEADER_KEYS = frozenset(
+    {
+        "aux_semantics",
+        "capture_layers",
+        "dtype",
+        "final_semantics",
+        "hidden_size",
+        "loss_spans",
+        "metadata",
+        "model_fingerprint",
+        "record_id",
+        "sample_id",
+        "schema_version",
+        "tensors",
+    }
+)
+TENSOR_KEYS = frozenset(
+    {"codec", "dtype", "name", "offset", "raw_nbytes", "raw_xxh3_64", "shape", "stored_nbytes", "stored_xxh3_64"}
+)
+_CHECKSUM_PATTERN = re.compile(r"[0-9a-f]{16}", re.ASCII)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorInfo:
+    """Where one tensor lies in the payload and how to check and decode it."""
+
+    name: str
+    dtype: str
+    """Element type label: "int32" for token_ids, the record dtype for aux and final."""
+    shape: tuple[int, ...]
+    codec: str
+    """Canonical codec spec (see codecs.get_codec)."""
+    offset: int
+    """Start of the stored bytes, counted from the start of the payload."""
+    raw_nbytes: int
+    stored_nbytes: int
+    stored_xxh3_64: str
+    """Hex xxh3_64 of the stored bytes: checkable without decoding."""
+    raw_xxh3_64: str
+    """Hex xxh3_64 of the decoded little-endian bytes."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FrameInfo:
+    """A checked frame, tensors not decoded: what a collector needs to accept and index it."""
+
+    record_id: str
+    sample_id: str
+    model_fingerprint: str
+    capture_layers: tuple[int, ...]
+    hidden_size: int
+    dtype: str
+    loss_spans: tuple[tuple[int, int], ...]
+    metadata: dict[str, Any]
+    tensors: tuple[TensorInfo, ...]
+    """token_ids, aux, final, in payload order."""
+    header_nbytes: int
+    frame_nbytes: int
+    """Total length of the frame: prefix, header and payload."""
+    header_xxh3_64: str
+    """Hex checksum of the prefix fields and header; identifies the frame's exact header."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tensors[0].shape[0]
+
+    @property
+    def ids_xxh3_64(self) -> str:
+        """Hex xxh3_64 of the token ids as little-endian int32 bytes."""
+        return self.tensors[0].raw_xxh3_64
+
+    @property
+    def raw_nbytes(self) -> int:
+        return sum(tensor.raw_nbytes for tensor in self.tensors)
+
+    @property
+    def stored_nbytes(self) -> int:
+        return sum(tensor.stored_nbytes for tensor in self.tensors)
+
+
+def dump_header(header: dict[str, Any]) -> bytes:
+    """Canonical header bytes: compact JSON, sorted keys, UTF-8."""
+    text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return text.encode("utf-8")
+
+
+def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    mapping = dict(pairs)
+    if len(mapping) != len(pairs):
+        repeated = sorted(key for key, count in Counter(key for key, _ in pairs).items() if count > 1)
+        raise ValueError(f"duplicate keys {describe(repeated)}")
+    return mapping
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def load_header(header_bytes: memoryview) -> dict[str, Any]:
+    """Parses header bytes into a dict; FrameError if they are not a UTF-8 JSON object."""
+    try:
+        header = json.loads(
+            str(header_bytes, "utf-8"),
+            object_pairs_hook=_object_without_duplicates,
+            parse_constant=_reject_constant,
+        )
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise FrameError(f"frame header is not valid UTF-8 JSON: {describe(str(err), max_chars=200)}") from None
+    if not isinstance(header, dict):
+        raise FrameError(f"frame header must be a JSON object; got {type(header).__name__}")
+    return header
+
+
+def _check_keys(mapping: dict[str, Any], expected: frozenset[str], where: str) -> None:
+    if mapping.keys() != expected:
+        missing = sorted(expected - mapping.keys())
+        unexpected = sorted(mapping.keys() - expected)
+        raise FrameError(f"{where}: missing fields {missing}, unexpected fields {describe(unexpected)}")
+
+
+def _typed(mapping: dict[str, Any], key: str, expected: type, where: str) -> Any:
+    return check_json_type(mapping[key], expected, f"{where} field {key!r}", FrameError)
+
+
+def _parse_tensor(entry: object, name: str, dtype: str, expected_offset: int) -> TensorInfo:
+    where = f"tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise FrameError(f"{where} must be a JSON object; got {describe(entry)}")
+    _check_keys(entry, TENSOR_KEYS, where)
+    if _typed(entry, "name", str, where) != name:
+        raise FrameError(f"tensor {describe(entry['name'])} is out of place; tensors must be {list(TENSOR_NAMES)}")
+    if _typed(entry, "dtype", str, where) != dtype:
+        raise FrameError(f"{where} has dtype {describe(entry['dtype'])}; expected {dtype!r}")
+    shape = _typed(entry, "shape", list, where)
+    if not all(isinstance(size, int) and not isinstance(size, bool) for size in shape):
+        raise FrameError(f"{where} shape {describe(shape)} must be a list of ints")
+    codec = get_codec(_typed(entry, "codec", str, where))
+    try:
+        codec.check_itemsize(ELEMENT_DTYPES[dtype].itemsize)
+    except CodecError as err:
+        raise FrameError(f"{where}: {err}") from None
+    checksums = {key: _typed(entry, key, str, where) for key in ("stored_xxh3_64", "raw_xxh3_64")}
+    for key, checksum in checksums.items():
+        if _CHECKSUM_PATTERN.fullmatch(checksum) is None:
+            raise FrameError(f"{where} field {key!r} must be 16 lowercase hex digits; got {describe(checksum)}")
+    offset = _typed(entry, "offset", int, where)
+    if offset != expected_offset:
+        raise FrameError(f"{where} starts at payload offset {offset}; the previous tensor ends at {expected_offset}")
+    stored_nbytes = _typed(entry, "stored_nbytes", int, where)
+    if stored_nbytes < 0:
+        raise FrameError(f"{where} has negative stored_nbytes {stored_nbytes}")
+    return TensorInfo(
+        name=name,
+        dtype=dtype,
+        shape=tuple(shape),
+        codec=codec.spec,
+        offset=offset,
+        raw_nbytes=_typed(entry, "raw_nbytes", int, where),
+        stored_nbytes=stored_nbytes,
+        **checksums,
+    )
+
+
+def _check_shape(tensor: TensorInfo, expected: tuple[int, ...]) -> None:
+    if tensor.shape != expected:
+        raise FrameError(
+            f"tensor {tensor.name!r} has shape {list(tensor.shape)}; the record fields imply {list(expected)}"
+        )
+    expected_nbytes = ELEMENT_DTYPES[tensor.dtype].itemsize
+    for size in expected:
+        expected_nbytes *= size
+    if tensor.raw_nbytes != expected_nbytes:
+        raise FrameError(
+            f"tensor {tensor.name!r} declares raw_nbytes {tensor.raw_nbytes}; shape {list(expected)} "
+            f"of {tensor.dtype} holds {expected_nbytes}"
+        )
+
+
+def parse_header(
+    header: dict[str, Any], *, header_nbytes: int, payload_nbytes: int, frame_nbytes: int, header_xxh3_64: str
+) -> FrameInfo:
+    """Checks a loaded header against the rules above and returns what it describes."""
+    _check_keys(header, HEADER_KEYS, "frame header")
+    records.check_schema_version(header["schema_version"])
+    for key, known in (("aux_semantics", records.AUX_SEMANTICS), ("final_semantics", records.FINAL_SEMANTICS)):
+        if header[key] != known:
+            raise FrameError(f"frame header field {key!r} is {describe(header[key])}; this reader knows {known!r}")
+    capture_layers = records.check_capture_layers(_typed(header, "capture_layers", list, "frame header"))
+    hidden_size = records.check_hidden_size(header["hidden_size"])
+    dtype = records.check_dtype(header["dtype"])
+    entries = _typed(header, "tensors", list, "frame header")
+    if len(entries) != len(TENSOR_NAMES):
+        raise FrameError(f"frame header lists {len(entries)} tensors; expected {list(TENSOR_NAMES)}")
+    tensors = []
+    offset = 0
+    for entry, name in zip(entries, TENSOR_NAMES):
+        tensor = _parse_tensor(entry, name, TOKEN_IDS_DTYPE_LABEL if name == "token_ids" else dtype, offset)
+        tensors.append(tensor)
+        offset += tensor.stored_nbytes
+    if offset != payload_nbytes:
+        raise FrameError(
+            f"tensors cover {offset} stored bytes; the frame prefix declares a {payload_nbytes}-byte payload"
+        )
+    token_ids, aux, final = tensors
+    if len(token_ids.shape) != 1:
+        raise FrameError(f"tensor 'token_ids' must be 1-D; got shape {describe(list(token_ids.shape))}")
+    num_tokens = records.check_num_tokens(token_ids.shape[0])
+    _check_shape(token_ids, (num_tokens,))
+    _check_shape(aux, (num_tokens, len(capture_layers), hidden_size))
+    _check_shape(final, (num_tokens, hidden_size))
+    raw_nbytes = sum(tensor.raw_nbytes for tensor in tensors)
+    if raw_nbytes > records.MAX_RECORD_RAW_NBYTES:
+        raise FrameError(f"frame declares {raw_nbytes} raw bytes; at most {records.MAX_RECORD_RAW_NBYTES} are accepted")
+    return FrameInfo(
+        record_id=records.check_record_id(header["record_id"]),
+        sample_id=records.check_sample_id(header["sample_id"]),
+        model_fingerprint=records.check_model_fingerprint(header["model_fingerprint"]),
+        capture_layers=capture_layers,
+        hidden_size=hidden_size,
+        dtype=dtype,
+        loss_spans=records.check_loss_spans(_typed(header, "loss_spans", list, "frame header"), num_tokens),
+        metadata=records.check_metadata(_typed(header, "metadata", dict, "frame header")),
+        tensors=tuple(tensors),
+        header_nbytes=header_nbytes,
+        frame_nbytes=frame_nbytes,
+        header_xxh3_64=header_xxh3_64,
+    )

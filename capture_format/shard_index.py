@@ -1,0 +1,285 @@
+"""Shard file names and shard index files.
+
+A shard directory holds:
+
+    shard-000001.etap          sealed shard: frames back to back, nothing else
+    shard-000001.index.json    its index
+    shard-000002.etap.open     the shard a writer is appending to
+
+A shard has no file header: it is exactly the frames as received, concatenated, and every frame
+carries its own magic, version and checksums, so a file header would tell a reader nothing new.
+
+What must hold for a sealed shard and its index:
+- the index entries tile the shard: the first starts at 0, each starts where the previous ends, the
+  last ends at shard_nbytes;
+- each entry's record_id, length, token count, header and ids checksums are those of its frame;
+- the index is written atomically (temp file, fsync, rename, fsync of the directory) before the
+  rename that seals the shard, so a sealed shard always has a complete index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from capture_format import records
+from capture_format.errors import CaptureFormatError, ShardError, check_json_type, describe
+from capture_format.frame_header import FrameInfo
+
+__all__ = ["INDEX_FORMAT_VERSION", "IndexEntry", "ShardIndex", "build_index", "load_index", "write_index"]
+
+INDEX_FORMAT_VERSION = 1
+SEALED_SUFFIX = ".etap"
+OPEN_SUFFIX = ".etap.open"
+INDEX_SUFFIX = ".index.json"
+_FILE_NAME = re.compile(r"shard-(\d{6,})(\.etap|\.etap\.open|\.index\.json)", re.ASCII)
+_CHECKSUM = re.compile(r"[0-9a-f]{16}", re.ASCII)
+_RECORD_FIELDS = ("record_id", "sample_id", "offset", "length", "num_tokens", "header_xxh3_64", "ids_xxh3_64")
+_SHARED_FIELDS = ("model_fingerprint", "capture_layers", "hidden_size", "dtype")
+"""Written once at shard level when all records agree, else in every record entry."""
+_TOTAL_FIELDS = ("shard_nbytes", "num_records", "num_tokens", "raw_nbytes", "stored_nbytes")
+_INDEX_FIELDS = (
+    "format_version",
+    "shard",
+    *_TOTAL_FIELDS,
+    *_SHARED_FIELDS,
+    "aux_semantics",
+    "final_semantics",
+    "records",
+)
+
+
+def shard_file_name(number: int, suffix: str) -> str:
+    return f"shard-{number:06d}{suffix}"
+
+
+def parse_shard_file_name(name: str) -> tuple[int, str] | None:
+    """Returns (number, suffix) for a shard, open shard or index file name, else None."""
+    match = _FILE_NAME.fullmatch(name)
+    return None if match is None else (int(match.group(1)), match.group(2))
+
+
+def index_path_for(shard_path: Path) -> Path:
+    """The index beside a sealed or open shard."""
+    parsed = parse_shard_file_name(shard_path.name)
+    if parsed is None or parsed[1] == INDEX_SUFFIX:
+        raise ShardError(f"{describe(str(shard_path))} is not a shard file name like shard-000001{SEALED_SUFFIX}")
+    return shard_path.with_name(shard_file_name(parsed[0], INDEX_SUFFIX))
+
+
+def fsync_directory(directory: Path) -> None:
+    """Makes renames and new names in directory durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IndexEntry:
+    """Where one record lies in a sealed shard, and what to check it against when reading it."""
+
+    shard_path: Path
+    record_id: str
+    sample_id: str
+    offset: int
+    length: int
+    """Frame length in bytes."""
+    num_tokens: int
+    header_xxh3_64: str
+    ids_xxh3_64: str
+    model_fingerprint: str
+    capture_layers: tuple[int, ...]
+    hidden_size: int
+    dtype: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardIndex:
+    """The index of one sealed shard."""
+
+    shard_path: Path
+    shard_nbytes: int
+    raw_nbytes: int
+    """Sum over records of token_ids + aux + final bytes, uncompressed."""
+    stored_nbytes: int
+    """Sum over records of stored tensor bytes (frame payloads)."""
+    entries: tuple[IndexEntry, ...]
+
+    @property
+    def num_records(self) -> int:
+        return len(self.entries)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(entry.num_tokens for entry in self.entries)
+
+    def to_json(self) -> dict[str, Any]:
+        shared = {}
+        for name in _SHARED_FIELDS:
+            values = {getattr(entry, name) for entry in self.entries}
+            shared[name] = _json_value(values.pop()) if len(values) == 1 else None
+        entries = []
+        for entry in self.entries:
+            row = {name: getattr(entry, name) for name in _RECORD_FIELDS}
+            row.update({name: _json_value(getattr(entry, name)) for name in _SHARED_FIELDS if shared[name] is None})
+            entries.append(row)
+        return {
+            "format_version": INDEX_FORMAT_VERSION,
+            "shard": self.shard_path.name,
+            "shard_nbytes": self.shard_nbytes,
+            "num_records": self.num_records,
+            "num_tokens": self.num_tokens,
+            "raw_nbytes": self.raw_nbytes,
+            "stored_nbytes": self.stored_nbytes,
+            **shared,
+            "aux_semantics": records.AUX_SEMANTICS,
+            "final_semantics": records.FINAL_SEMANTICS,
+            "records": entries,
+        }
+
+
+def _json_value(value: object) -> object:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def build_index(shard_path: Path, shard_nbytes: int, frames: Iterable[tuple[int, FrameInfo]]) -> ShardIndex:
+    """Index of a shard from (offset, info) of each frame, in file order."""
+    frames = list(frames)
+    entries = tuple(
+        IndexEntry(
+            shard_path=shard_path,
+            record_id=info.record_id,
+            sample_id=info.sample_id,
+            offset=offset,
+            length=info.frame_nbytes,
+            num_tokens=info.num_tokens,
+            header_xxh3_64=info.header_xxh3_64,
+            ids_xxh3_64=info.ids_xxh3_64,
+            model_fingerprint=info.model_fingerprint,
+            capture_layers=info.capture_layers,
+            hidden_size=info.hidden_size,
+            dtype=info.dtype,
+        )
+        for offset, info in frames
+    )
+    return ShardIndex(
+        shard_path=shard_path,
+        shard_nbytes=shard_nbytes,
+        raw_nbytes=sum(info.raw_nbytes for _, info in frames),
+        stored_nbytes=sum(info.stored_nbytes for _, info in frames),
+        entries=entries,
+    )
+
+
+def _format_index(data: dict[str, Any]) -> str:
+    """JSON with one line per shard field and per record: short to read, and diffs name the record."""
+    fields = [f"  {json.dumps(key)}: {json.dumps(value)}" for key, value in data.items() if key != "records"]
+    rows = ",\n".join(f"    {json.dumps(row)}" for row in data["records"])
+    fields.append(f'  "records": [\n{rows}\n  ]' if rows else '  "records": []')
+    return "{\n" + ",\n".join(fields) + "\n}\n"
+
+
+def write_index(index: ShardIndex, index_path: Path) -> None:
+    """Writes the index atomically: a reader sees the previous file or the whole new one."""
+    temporary_path = index_path.with_name(index_path.name + ".tmp")
+    data = _format_index(index.to_json()).encode("utf-8")
+    fd = os.open(temporary_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temporary_path, index_path)
+    fsync_directory(index_path.parent)
+
+
+def _parse_entry(row: object, shared: dict[str, Any], shard_path: Path) -> IndexEntry:
+    row = check_json_type(row, dict, "record entry", ShardError)
+    expected_keys = set(_RECORD_FIELDS) | {name for name in _SHARED_FIELDS if shared[name] is None}
+    if row.keys() != expected_keys:
+        raise ShardError(f"record entry has fields {sorted(row)}; expected {sorted(expected_keys)}")
+    values = {**shared, **row}
+    for name in ("header_xxh3_64", "ids_xxh3_64"):
+        if _CHECKSUM.fullmatch(check_json_type(values[name], str, name, ShardError)) is None:
+            raise ShardError(f"{name} {describe(values[name])} must be 16 lowercase hex digits")
+    return IndexEntry(
+        shard_path=shard_path,
+        record_id=records.check_record_id(values["record_id"]),
+        sample_id=records.check_sample_id(values["sample_id"]),
+        offset=check_json_type(values["offset"], int, "offset", ShardError),
+        length=check_json_type(values["length"], int, "length", ShardError),
+        num_tokens=records.check_num_tokens(values["num_tokens"]),
+        header_xxh3_64=values["header_xxh3_64"],
+        ids_xxh3_64=values["ids_xxh3_64"],
+        model_fingerprint=records.check_model_fingerprint(values["model_fingerprint"]),
+        capture_layers=records.check_capture_layers(
+            check_json_type(values["capture_layers"], list, "capture_layers", ShardError)
+        ),
+        hidden_size=records.check_hidden_size(values["hidden_size"]),
+        dtype=records.check_dtype(values["dtype"]),
+    )
+
+
+def _index_from_json(data: object, shard_path: Path) -> ShardIndex:
+    data = check_json_type(data, dict, "index", ShardError)
+    if sorted(data) != sorted(_INDEX_FIELDS):
+        raise ShardError(f"index has fields {describe(sorted(data), max_chars=400)}; expected {sorted(_INDEX_FIELDS)}")
+    if type(data["format_version"]) is not int or data["format_version"] != INDEX_FORMAT_VERSION:
+        raise ShardError(
+            f"index format_version {describe(data['format_version'])} is not supported; "
+            f"accepted: {INDEX_FORMAT_VERSION}"
+        )
+    if data["shard"] != shard_path.name:
+        raise ShardError(f"index describes shard {describe(data['shard'])}; expected {shard_path.name!r}")
+    for name, known in (("aux_semantics", records.AUX_SEMANTICS), ("final_semantics", records.FINAL_SEMANTICS)):
+        if data[name] != known:
+            raise ShardError(f"index {name} {describe(data[name])} is not supported; accepted: {known!r}")
+    totals = {name: check_json_type(data[name], int, name, ShardError) for name in _TOTAL_FIELDS}
+    shared = {name: data[name] for name in _SHARED_FIELDS}
+    rows = check_json_type(data["records"], list, "records", ShardError)
+    entries = tuple(_parse_entry(row, shared, shard_path) for row in rows)
+    expected_offset = 0
+    for entry in entries:
+        if entry.offset != expected_offset or entry.length <= 0:
+            raise ShardError(
+                f"record {entry.record_id!r} spans [{entry.offset}, {entry.offset + entry.length}); "
+                f"entries must tile the shard and this one should start at {expected_offset}"
+            )
+        expected_offset += entry.length
+    index = ShardIndex(
+        shard_path=shard_path,
+        shard_nbytes=totals["shard_nbytes"],
+        raw_nbytes=totals["raw_nbytes"],
+        stored_nbytes=totals["stored_nbytes"],
+        entries=entries,
+    )
+    recomputed = {"shard_nbytes": expected_offset, "num_records": index.num_records, "num_tokens": index.num_tokens}
+    for name, actual in recomputed.items():
+        if totals[name] != actual:
+            raise ShardError(f"index says {name} {totals[name]}; its records add up to {actual}")
+    return index
+
+
+def load_index(shard_path: Path | str) -> ShardIndex:
+    """Reads and checks the index of a sealed shard; ShardError names the index file on any problem."""
+    shard_path = Path(shard_path)
+    index_path = index_path_for(shard_path)
+    try:
+        data = json.loads(index_path.read_bytes())
+    except FileNotFoundError:
+        raise ShardError(f"sealed shard {shard_path} has no index {index_path.name}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise ShardError(f"{index_path}: not valid JSON: {err}") from None
+    try:
+        return _index_from_json(data, shard_path)
+    except CaptureFormatError as err:
+        raise ShardError(f"{index_path}: {err}") from None

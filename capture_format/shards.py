@@ -1,0 +1,210 @@
+"""Writing shards: append frames as received, seal them with an index, recover after a crash.
+
+What must hold:
+- an open shard only ever ends at a frame boundary: a failed write is cut back, and if even that
+  fails the writer refuses further appends and leaves the shard to recovery;
+- after `flush()` returns, every frame appended before it survives a crash (the file's name was
+  made durable when it was created, its data by fdatasync). Appends do not sync on their own, so
+  many appends can share one flush (group commit is the caller's policy);
+- sealing is: sync the shard, write its index atomically, rename .etap.open to .etap, sync the
+  directory. A crash at any point leaves an open shard (recovered on start-up) or a sealed shard
+  with its complete index;
+- one process at a time writes an open shard: the writer and recovery hold an exclusive flock on it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from capture_format.errors import CaptureFormatError, ShardError, describe
+from capture_format.frame_header import FrameInfo
+from capture_format.frames import FRAME_PREFIX_NBYTES, inspect_frame, read_frame_prefix
+from capture_format.shard_index import (
+    OPEN_SUFFIX,
+    SEALED_SUFFIX,
+    ShardIndex,
+    build_index,
+    fsync_directory,
+    index_path_for,
+    parse_shard_file_name,
+    shard_file_name,
+    write_index,
+)
+
+__all__ = ["RecoveryReport", "ShardWriter", "recover_open_shard"]
+
+
+def _next_shard_number(directory: Path) -> int:
+    numbers = [parsed[0] for parsed in map(parse_shard_file_name, os.listdir(directory)) if parsed is not None]
+    return max(numbers, default=0) + 1
+
+
+def _lock(fd: int, path: Path) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ShardError(f"{path} is locked by another writer or recovery") from None
+
+
+def _seal(open_path: Path, fd: int, frames: list[tuple[int, FrameInfo]], shard_nbytes: int) -> ShardIndex:
+    """Syncs the open shard, writes its index, renames it to its sealed name and syncs the directory."""
+    number, _ = parse_shard_file_name(open_path.name)
+    sealed_path = open_path.with_name(shard_file_name(number, SEALED_SUFFIX))
+    os.fsync(fd)
+    index = build_index(sealed_path, shard_nbytes, frames)
+    write_index(index, index_path_for(sealed_path))
+    os.rename(open_path, sealed_path)
+    fsync_directory(open_path.parent)
+    return index
+
+
+class ShardWriter:
+    """Appends inspected frames to a new open shard `shard-NNNNNN.etap.open` in directory.
+
+    One thread appends and seals. flush may run in another thread while appends go on: it makes
+    durable at least every frame whose append returned before flush was called.
+    """
+
+    def __init__(self, directory: Path | str, *, number: int | None = None) -> None:
+        """Creates the open shard; number defaults to one past the highest shard number in directory."""
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.number = number if number is not None else _next_shard_number(self.directory)
+        self.path = self.directory / shard_file_name(self.number, OPEN_SUFFIX)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            _lock(self._fd, self.path)
+            fsync_directory(self.directory)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.opened_at = time.monotonic()
+        """time.monotonic() when the shard was created: for age-based sealing."""
+        self.bytes_written = 0
+        self._frames: list[tuple[int, FrameInfo]] = []
+        self._unusable_reason: str | None = None
+
+    @property
+    def num_records(self) -> int:
+        return len(self._frames)
+
+    def _check_usable(self) -> None:
+        if self._unusable_reason is not None:
+            raise ShardError(f"shard writer for {self.path} cannot write: {self._unusable_reason}")
+
+    def append(self, frame: bytes | bytearray | memoryview, info: FrameInfo) -> int:
+        """Writes frame, already checked by inspect_frame into info, and returns its offset."""
+        self._check_usable()
+        view = memoryview(frame).cast("B")
+        if view.nbytes != info.frame_nbytes:
+            raise ShardError(f"frame is {view.nbytes} bytes but its FrameInfo says {info.frame_nbytes}")
+        offset = self.bytes_written
+        try:
+            position = offset
+            while position < offset + view.nbytes:
+                position += os.pwrite(self._fd, view[position - offset :], position)
+        except OSError:
+            # Cut the partial frame so later appends do not land after garbage, which recovery
+            # would have to drop together with everything after it.
+            try:
+                os.ftruncate(self._fd, offset)
+            except OSError:
+                self._unusable_reason = f"a failed write at offset {offset} could not be cut back"
+            raise
+        self._frames.append((offset, info))
+        self.bytes_written += view.nbytes
+        return offset
+
+    def flush(self, durable: bool = True) -> None:
+        """Makes appended frames durable when durable is True (fdatasync).
+
+        Appends go straight to the OS, so readers of the file see them without a flush either way.
+        """
+        self._check_usable()
+        if durable:
+            os.fdatasync(self._fd)
+
+    def seal(self) -> ShardIndex:
+        """Syncs, writes the index, renames the shard to its sealed name; the writer is done after."""
+        self._check_usable()
+        index = _seal(self.path, self._fd, self._frames, self.bytes_written)
+        self.close()
+        self.path = index.shard_path
+        self._unusable_reason = "the shard is sealed"
+        return index
+
+    def close(self) -> None:
+        """Closes the file without sealing: the open shard stays for recovery."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            self._unusable_reason = self._unusable_reason or "the writer is closed"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecoveryReport:
+    """What recover_open_shard kept and cut."""
+
+    open_path: Path
+    sealed_path: Path | None
+    """The sealed shard; None when no complete frame was found and the open shard was removed."""
+    num_records: int
+    bytes_kept: int
+    bytes_cut: int
+    stop_reason: str | None
+    """Why the scan stopped before the end of the file; None when every byte was a valid frame."""
+
+
+def _scan_frames(fd: int, file_nbytes: int) -> tuple[list[tuple[int, FrameInfo]], int, str | None]:
+    """Returns the valid frames from the start of the file, where they end, and why the scan stopped."""
+    frames: list[tuple[int, FrameInfo]] = []
+    offset = 0
+    while offset < file_nbytes:
+        left = file_nbytes - offset
+        try:
+            frame_nbytes = read_frame_prefix(os.pread(fd, min(FRAME_PREFIX_NBYTES, left), offset))
+            if frame_nbytes > left:
+                return frames, offset, f"frame at offset {offset} needs {frame_nbytes} bytes; {left} are left"
+            frames.append((offset, inspect_frame(os.pread(fd, frame_nbytes, offset))))
+        except CaptureFormatError as err:
+            return frames, offset, f"frame at offset {offset}: {err}"
+        offset += frame_nbytes
+    return frames, offset, None
+
+
+def recover_open_shard(path: Path | str) -> RecoveryReport:
+    """Keeps the complete, valid frames at the start of an open shard, cuts the rest and seals it.
+
+    Frames are checked as on ingest (inspect_frame). An open shard with no valid frame is removed.
+    """
+    open_path = Path(path)
+    parsed = parse_shard_file_name(open_path.name)
+    if parsed is None or parsed[1] != OPEN_SUFFIX:
+        raise ShardError(f"{describe(str(open_path))} is not an open shard name like shard-000001{OPEN_SUFFIX}")
+    fd = os.open(open_path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        _lock(fd, open_path)
+        file_nbytes = os.fstat(fd).st_size
+        frames, kept_nbytes, stop_reason = _scan_frames(fd, file_nbytes)
+        if kept_nbytes < file_nbytes:
+            os.ftruncate(fd, kept_nbytes)
+        if frames:
+            sealed_path = _seal(open_path, fd, frames, kept_nbytes).shard_path
+        else:
+            sealed_path = None
+            os.unlink(open_path)
+            fsync_directory(open_path.parent)
+    finally:
+        os.close(fd)
+    return RecoveryReport(
+        open_path=open_path,
+        sealed_path=sealed_path,
+        num_records=len(frames),
+        bytes_kept=kept_nbytes,
+        bytes_cut=file_nbytes - kept_nbytes,
+        stop_reason=stop_reason,
+    )

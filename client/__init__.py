@@ -1,0 +1,1 @@
+"""Client: fires conversations at an SGLang server as tagged capture requests."""

@@ -1,0 +1,1 @@
+"""EAGLE-3 draft trainer: vocab mapping, draft model, training, evaluation and export."""
