@@ -1,0 +1,107 @@
+"""What is already in a data directory, made consistent at start-up.
+
+What must hold after `open_catalog(data_dir)`:
+- no open shard is left: each was recovered (truncated to its last valid frame and sealed, or
+  removed when it held no valid frame), so every acknowledged record is in a sealed, indexed shard;
+- `locations` holds every record id stored in the directory (the dedupe set survives restarts);
+  an id found twice on disk (only possible after a failed sync) is counted and the first copy wins;
+- every sealed shard's index loaded and matched its file size, or start-up fails with ShardError
+  naming the shard: the collector never runs on a directory it cannot account for.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from capture_format import RecoveryReport, ShardDirectory, recover_open_shard
+from capture_format.shard_index import OPEN_SUFFIX, SEALED_SUFFIX, parse_shard_file_name, shard_file_name
+
+__all__ = ["Catalog", "RecordLocation", "Totals", "open_catalog", "shard_name"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordLocation:
+    """Where an acknowledged record lies."""
+
+    shard_number: int
+    offset: int
+    frame_nbytes: int
+    num_tokens: int
+    header_xxh3_64: str
+
+
+@dataclass(slots=True)
+class Totals:
+    """Sums over every stored record (all shards, sealed or open)."""
+
+    num_records: int = 0
+    num_tokens: int = 0
+    raw_nbytes: int = 0
+    """Tensor bytes before compression."""
+    stored_nbytes: int = 0
+    """Tensor bytes as stored (frame payloads)."""
+    frame_nbytes: int = 0
+    """Bytes on disk: payloads plus frame prefixes and headers."""
+    num_sealed_shards: int = 0
+
+    def add(self, *, num_tokens: int, raw_nbytes: int, stored_nbytes: int, frame_nbytes: int) -> None:
+        self.num_records += 1
+        self.num_tokens += num_tokens
+        self.raw_nbytes += raw_nbytes
+        self.stored_nbytes += stored_nbytes
+        self.frame_nbytes += frame_nbytes
+
+
+@dataclass(slots=True)
+class Catalog:
+    locations: dict[str, RecordLocation] = field(default_factory=dict)
+    totals: Totals = field(default_factory=Totals)
+    recoveries: list[RecoveryReport] = field(default_factory=list)
+    num_duplicates_on_disk: int = 0
+
+
+def shard_name(shard_number: int, sealed: bool) -> str:
+    return shard_file_name(shard_number, SEALED_SUFFIX if sealed else OPEN_SUFFIX)
+
+
+def open_catalog(data_dir: Path) -> Catalog:
+    """Recovers open shards in data_dir, then indexes every sealed shard (see the module docstring)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    catalog = Catalog()
+    for name in sorted(p.name for p in data_dir.iterdir()):
+        parsed = parse_shard_file_name(name)
+        if parsed is not None and parsed[1] == OPEN_SUFFIX:
+            report = recover_open_shard(data_dir / name)
+            log.warning(
+                "recovered %s: kept %d records (%d bytes), cut %d bytes%s",
+                name, report.num_records, report.bytes_kept, report.bytes_cut,
+                f" ({report.stop_reason})" if report.stop_reason else "",
+            )
+            catalog.recoveries.append(report)
+    with ShardDirectory(data_dir) as shards:
+        for shard in shards.shards:
+            number, _ = parse_shard_file_name(shard.shard_path.name)
+            catalog.totals.num_sealed_shards += 1
+            catalog.totals.raw_nbytes += shard.raw_nbytes
+            catalog.totals.stored_nbytes += shard.stored_nbytes
+            for entry in shard.entries:
+                if entry.record_id in catalog.locations:
+                    catalog.num_duplicates_on_disk += 1
+                    log.warning("record %r is stored twice; %s at offset %d is ignored",
+                                entry.record_id, shard.shard_path.name, entry.offset)
+                    continue
+                catalog.locations[entry.record_id] = RecordLocation(
+                    shard_number=number,
+                    offset=entry.offset,
+                    frame_nbytes=entry.length,
+                    num_tokens=entry.num_tokens,
+                    header_xxh3_64=entry.header_xxh3_64,
+                )
+                catalog.totals.num_records += 1
+                catalog.totals.num_tokens += entry.num_tokens
+                catalog.totals.frame_nbytes += entry.length
+    return catalog

@@ -1,0 +1,123 @@
+"""Subcommands of the collector: `collect` (serve) and `shards verify|stats` (inspect a data dir).
+
+Imports nothing heavy at module level: FastAPI and uvicorn load only when `collect` runs.
+`python -m collector_service ARGS` is the same as `eagle-tap ARGS` for these subcommands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+__all__ = ["add_commands", "main"]
+
+
+def _settings_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """Flags given on the command line; everything else comes from EAGLE_TAP_COLLECTOR_* or defaults."""
+    token = args.token
+    if args.token_file is not None:
+        token = Path(args.token_file).read_text().strip()
+    given = {
+        "data_dir": args.data_dir,
+        "host": args.host,
+        "port": args.port,
+        "token": token,
+        "durability": args.durability,
+        "max_body_bytes": args.max_body_bytes,
+        "seal_after_bytes": args.seal_after_bytes,
+        "seal_after_s": args.seal_after_s,
+        "min_free_bytes": args.min_free_bytes,
+    }
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=1024)
+
+
+def _collect(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from collector_service.app import create_app
+    from collector_service.malloc_tuning import keep_freed_memory
+    from collector_service.settings import CollectorSettings
+
+    settings = CollectorSettings(**_settings_overrides(args))
+    if settings.malloc_retained_bytes > 0:
+        keep_freed_memory(settings.malloc_retained_bytes)
+    if settings.token is None:
+        print("warning: no token set: anyone on this machine can write records (loopback only)", file=sys.stderr)
+    listener = _listen(settings.host, settings.port)
+    port = listener.getsockname()[1]
+    config = uvicorn.Config(
+        create_app(settings),
+        log_level=args.log_level,
+        access_log=args.access_log,
+        lifespan="on",
+        timeout_graceful_shutdown=30,
+    )
+    host_in_url = f"[{settings.host}]" if ":" in settings.host else settings.host
+    print(
+        f"collector listening on http://{host_in_url}:{port} (data: {settings.data_dir}, "
+        f"durability: {settings.durability})",
+        flush=True,
+    )
+    uvicorn.Server(config).run(sockets=[listener])
+    return 0
+
+
+def _shards_verify(args: argparse.Namespace) -> int:
+    from collector_service.shard_tools import verify_directory
+
+    return 0 if verify_directory(Path(args.data_dir), out=sys.stdout) else 1
+
+
+def _shards_stats(args: argparse.Namespace) -> int:
+    from collector_service.shard_tools import print_stats
+
+    print_stats(Path(args.data_dir), out=sys.stdout)
+    return 0
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    collect = subparsers.add_parser(
+        "collect",
+        help="run the collector: receive frames over HTTP and write them to shards",
+        description="Serve the collector until Ctrl-C/SIGTERM (which seal the open shard). Flags override "
+        "EAGLE_TAP_COLLECTOR_* environment variables; prefer EAGLE_TAP_COLLECTOR_TOKEN or --token-file "
+        "to --token, which other users can see in the process list.",
+    )
+    collect.add_argument("--data-dir", required=True, help="directory of the shards (created if missing)")
+    collect.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
+    collect.add_argument("--port", type=int, default=None, help="port (default 8470; 0: a free one, printed)")
+    collect.add_argument("--token", default=None, help="bearer token required on /v1/*")
+    collect.add_argument("--token-file", default=None, help="file holding the bearer token")
+    collect.add_argument("--durability", choices=("fsync", "none"), default=None,
+                         help="fsync (default): acknowledge after the group commit's sync; none: after the write")
+    collect.add_argument("--max-body-bytes", type=int, default=None, help="largest frame accepted")
+    collect.add_argument("--seal-after-bytes", type=int, default=None, help="seal a shard at this size")
+    collect.add_argument("--seal-after-s", type=float, default=None,
+                         help="seal a shard this long after its first record")
+    collect.add_argument("--min-free-bytes", type=int, default=None, help="refuse ingest (507) below this free space")
+    collect.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    collect.add_argument("--access-log", action="store_true", help="log every request (costs CPU at high rates)")
+    collect.set_defaults(run=_collect)
+
+    shards = subparsers.add_parser("shards", help="verify or summarize a directory of shards")
+    shard_commands = shards.add_subparsers(dest="shards_command", required=True, metavar="ACTION")
+    verify = shard_commands.add_parser("verify", help="check every shard against its index, every record's checksums")
+    verify.add_argument("data_dir")
+    verify.set_defaults(run=_shards_verify)
+    stats = shard_commands.add_parser("stats", help="print shards, records, tokens, bytes and compression ratio")
+    stats.add_argument("data_dir")
+    stats.set_defaults(run=_shards_stats)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m collector_service", description=__doc__.splitlines()[0])
+    add_commands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    args = parser.parse_args(argv)
+    return args.run(args)

@@ -1,0 +1,85 @@
+"""Settings of the collector, read from arguments or `EAGLE_TAP_COLLECTOR_*` environment variables.
+
+What must hold: every limit is checked when the settings are built (a bad value fails at start-up,
+not on the first request), and the service refuses to listen beyond loopback without a token.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["CollectorSettings", "DurabilityMode", "is_loopback_host"]
+
+DurabilityMode = Literal["fsync", "none"]
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for localhost and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class CollectorSettings(BaseSettings):
+    """Where shards go, who may write, and when shards are synced and sealed."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="EAGLE_TAP_COLLECTOR_", extra="forbid", frozen=True, use_attribute_docstrings=True
+    )
+
+    data_dir: Path
+    """Directory of the shards and their indexes; created if missing."""
+    host: str = "127.0.0.1"
+    """Address to listen on (the CLI's `collect` reads it; the app itself does not bind)."""
+    port: int = Field(default=8470, ge=0, le=65535)
+    """TCP port to listen on; 0 picks a free one (the CLI prints it)."""
+    token: SecretStr | None = None
+    """Bearer token required on /v1/*; None leaves /v1/* open (allowed on loopback only)."""
+    durability: DurabilityMode = "fsync"
+    """`fsync`: acknowledge after fdatasync (group commit); `none`: after the write (benchmarks only)."""
+    max_body_bytes: int = Field(default=1 << 30, ge=64)
+    """Largest frame accepted in one POST; larger bodies get 413 before they are read."""
+    seal_after_bytes: int = Field(default=1 << 30, ge=1)
+    """Seal the open shard once it holds at least this many bytes."""
+    seal_after_s: float = Field(default=600.0, gt=0)
+    """Seal the open shard this many seconds after its first record, even if it is small."""
+    min_free_bytes: int = Field(default=1 << 30, ge=0)
+    """Refuse ingest with 507 when a frame would leave less than this free on the data disk."""
+    max_group_commit_bytes: int = Field(default=256 << 20, ge=1)
+    """Bytes appended before one fdatasync covers them (bounds ack latency under heavy load)."""
+    max_inflight_bytes: int = Field(default=4 << 30, ge=64)
+    """Frames being received or waiting for their commit, at most; beyond it POSTs get 503 (retry later)."""
+    receive_timeout_s: float = Field(default=300.0, gt=0)
+    """Longest time to receive one body; a slower (or stalled) sender gets 408 and its buffer is freed."""
+    buffer_pool_bytes: int = Field(default=256 << 20, ge=0)
+    """Receive buffers kept for reuse (large fresh allocations dominate receive cost)."""
+    malloc_retained_bytes: int = Field(default=512 << 20, ge=0)
+    """Freed heap the serving process keeps mapped for reuse (glibc; 0 leaves malloc as it is).
+
+    See malloc_tuning.py: recycling the HTTP stack's per-read buffers made receive 3-4x faster here."""
+    seal_on_shutdown: bool = True
+    """Seal the open shard on a clean shutdown (a crash leaves it to start-up recovery)."""
+
+    @model_validator(mode="after")
+    def _check_token_beyond_loopback(self) -> CollectorSettings:
+        if self.token is None and not is_loopback_host(self.host):
+            raise ValueError(
+                f"host {self.host!r} is not loopback and no token is set: set --token or "
+                "EAGLE_TAP_COLLECTOR_TOKEN, or listen on 127.0.0.1"
+            )
+        if self.max_inflight_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"max_inflight_bytes={self.max_inflight_bytes} is below max_body_bytes={self.max_body_bytes}: "
+                "no frame of the largest accepted size could ever be received"
+            )
+        if self.token is not None and not self.token.get_secret_value():
+            raise ValueError("token is empty: give a non-empty token, or none (loopback only)")
+        return self

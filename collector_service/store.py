@@ -1,0 +1,235 @@
+"""The record store as the event loop sees it: dedupe, submission to the writer, stats.
+
+What must hold:
+- an id is acknowledged "stored" once, after the writer reported its frame durable; any later
+  POST of it, in this process or after a restart (the catalog rebuilds the ids), is "duplicate";
+- concurrent POSTs of one new id write it once: the first claims the id, the others wait for it
+  and then answer "duplicate" (or try again if the first write failed);
+- every buffer handed to the writer goes back to the pool only after the writer is done with it;
+- all state here is touched from the event loop thread only; the writer thread reports through
+  loop.call_soon_threadsafe. Disk I/O never runs on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from collector_service.buffers import BufferPool
+from collector_service.catalog import Catalog, RecordLocation, open_catalog, shard_name
+from collector_service.errors import ApiError
+from collector_service.receive import ReceivedFrame
+from collector_service.settings import CollectorSettings
+from collector_service.writer import (
+    CommitObserver,
+    ShardEvent,
+    WriteJob,
+    WriteResult,
+    WriterThread,
+    is_out_of_space,
+)
+
+__all__ = ["RecordStore", "SubmitOutcome"]
+
+log = logging.getLogger(__name__)
+
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitOutcome:
+    status: str
+    """"stored" (new, durable now) or "duplicate" (already stored; nothing written)."""
+    record_id: str
+    location: RecordLocation
+    same_frame: bool
+    """For a duplicate: whether its header checksum equals the stored frame's."""
+
+
+class RecordStore:
+    """Owns the catalog of stored ids, the writer thread and the receive buffers of one app."""
+
+    def __init__(
+        self, settings: CollectorSettings, catalog: Catalog, observe_commit: CommitObserver | None = None
+    ) -> None:
+        self.settings = settings
+        self.buffer_pool = BufferPool(settings.buffer_pool_bytes, settings.max_inflight_bytes)
+        self._locations = catalog.locations
+        self.totals = catalog.totals
+        self.recoveries = catalog.recoveries
+        self.num_duplicates_on_disk = catalog.num_duplicates_on_disk
+        self._in_flight: dict[str, asyncio.Future[RecordLocation]] = {}
+        self._shard_states: dict[int, str] = {}
+        """State of shards written by this process: "open", "sealed", "abandoned"."""
+        self.num_ingested = 0
+        self.num_ingested_nbytes = 0
+        self.num_duplicates = 0
+        self.num_group_commits = 0
+        self.rejects: Counter[str] = Counter()
+        self.started_at = time.monotonic()
+        self._accepting = True
+        self._loop = asyncio.get_running_loop()
+        self._writer = WriterThread(
+            settings.data_dir,
+            durability=settings.durability,
+            seal_after_bytes=settings.seal_after_bytes,
+            seal_after_s=settings.seal_after_s,
+            max_group_commit_bytes=settings.max_group_commit_bytes,
+            seal_on_shutdown=settings.seal_on_shutdown,
+            deliver=self._deliver_from_thread,
+            observe_commit=observe_commit,
+        )
+
+    @classmethod
+    async def open(cls, settings: CollectorSettings, observe_commit: CommitObserver | None = None) -> RecordStore:
+        """Recovers and indexes data_dir (in a thread), then starts the writer."""
+        catalog = await asyncio.to_thread(open_catalog, settings.data_dir)
+        store = cls(settings, catalog, observe_commit)
+        store._writer.start()
+        return store
+
+    async def close(self) -> None:
+        """Stops accepting, lets the writer finish what it has, seals (if set) and joins it."""
+        self._accepting = False
+        self._writer.stop()
+        await asyncio.to_thread(self._writer.join)
+        # The writer's last report was scheduled on the loop before join returned: let it run.
+        await asyncio.sleep(0)
+
+    @property
+    def failed_reason(self) -> str | None:
+        if self._writer.failed_reason is not None:
+            return self._writer.failed_reason
+        if self._accepting and not self._writer.is_alive():
+            return "the writer thread is not running"
+        return None
+
+    def lookup(self, record_id: str) -> RecordLocation | None:
+        return self._locations.get(record_id)
+
+    def shard_name_of(self, location: RecordLocation) -> str:
+        """File name of the shard holding location now (".etap.open" while it is being written)."""
+        return shard_name(location.shard_number, self.is_sealed(location))
+
+    def is_sealed(self, location: RecordLocation) -> bool:
+        # Shards this process did not write were sealed by start-up recovery at the latest.
+        return self._shard_states.get(location.shard_number, "sealed") == "sealed"
+
+    def count_reject(self, reason: str) -> None:
+        self.rejects[reason] += 1
+
+    async def submit(self, frame: ReceivedFrame) -> SubmitOutcome:
+        """Stores frame unless its id is stored; returns once it is durable. Consumes frame's buffer."""
+        record_id = frame.info.record_id
+        submitted = False
+        try:
+            while True:
+                location = self._locations.get(record_id)
+                if location is not None:
+                    self.num_duplicates += 1
+                    return SubmitOutcome("duplicate", record_id, location,
+                                         location.header_xxh3_64 == frame.info.header_xxh3_64)
+                in_flight = self._in_flight.get(record_id)
+                if in_flight is None:
+                    break
+                await asyncio.wait([in_flight])  # its outcome decides: duplicate, or our turn
+            self._check_accepting()
+            future: asyncio.Future[RecordLocation] = self._loop.create_future()
+            future.add_done_callback(_retrieve_exception)
+            self._in_flight[record_id] = future
+            self._writer.submit(WriteJob(view=frame.view, info=frame.info, token=(future, frame.buffer)))
+            submitted = True
+            # shield: a cancelled request must not cancel the future other waiters rely on.
+            location = await asyncio.shield(future)
+            return SubmitOutcome("stored", record_id, location, True)
+        finally:
+            if not submitted:
+                self.buffer_pool.release(frame.buffer)
+
+    def _check_accepting(self) -> None:
+        if not self._accepting:
+            raise ApiError(503, "shutting_down", "the collector is stopping; send again later")
+        reason = self.failed_reason
+        if reason is not None:
+            raise ApiError(503, "storage_failed", f"the collector cannot write: {reason}; restart it")
+
+    def _deliver_from_thread(self, results: list[WriteResult], events: list[ShardEvent]) -> None:
+        self._loop.call_soon_threadsafe(self._on_written, results, events)
+
+    def _on_written(self, results: list[WriteResult], events: list[ShardEvent]) -> None:
+        for event in events:
+            self._shard_states[event.shard_number] = event.state
+            if event.state == "sealed":
+                self.totals.num_sealed_shards += 1
+            elif event.state == "abandoned":
+                log.error("shard %d left open for recovery: %s", event.shard_number, event.detail)
+        if any(result.error is None for result in results):
+            self.num_group_commits += 1
+        for result in results:
+            future, buffer = result.job.token
+            info = result.job.info
+            assert not future.done(), f"record {info.record_id!r} was reported twice"
+            self._in_flight.pop(info.record_id, None)
+            self.buffer_pool.release(buffer)
+            if result.error is not None:
+                future.set_exception(_api_error_from_write_error(result.error))
+                continue
+            location = RecordLocation(
+                shard_number=result.shard_number,
+                offset=result.offset,
+                frame_nbytes=info.frame_nbytes,
+                num_tokens=info.num_tokens,
+                header_xxh3_64=info.header_xxh3_64,
+            )
+            self._locations[info.record_id] = location
+            self.totals.add(num_tokens=info.num_tokens, raw_nbytes=info.raw_nbytes,
+                            stored_nbytes=info.stored_nbytes, frame_nbytes=info.frame_nbytes)
+            self.num_ingested += 1
+            self.num_ingested_nbytes += info.frame_nbytes
+            future.set_result(location)
+
+    def stats(self) -> dict[str, Any]:
+        totals = self.totals
+        open_shards = sorted(number for number, state in self._shard_states.items() if state == "open")
+        return {
+            "num_records": totals.num_records,
+            "num_tokens": totals.num_tokens,
+            "raw_nbytes": totals.raw_nbytes,
+            "stored_nbytes": totals.stored_nbytes,
+            "frame_nbytes": totals.frame_nbytes,
+            "compression_ratio": round(totals.raw_nbytes / totals.stored_nbytes, 4) if totals.stored_nbytes else None,
+            "num_sealed_shards": totals.num_sealed_shards,
+            "open_shards": [shard_name(number, False) for number in open_shards],
+            "num_ingested": self.num_ingested,
+            "num_ingested_nbytes": self.num_ingested_nbytes,
+            "num_duplicates": self.num_duplicates,
+            "num_duplicates_on_disk": self.num_duplicates_on_disk,
+            "num_in_flight": len(self._in_flight),
+            "num_group_commits": self.num_group_commits,
+            "rejects": dict(sorted(self.rejects.items())),
+            "num_rejects": sum(self.rejects.values()),
+            "durability": self.settings.durability,
+            "failed_reason": self.failed_reason,
+            "recovered_shards": [
+                {"shard": report.open_path.name, "num_records": report.num_records, "bytes_cut": report.bytes_cut}
+                for report in self.recoveries
+            ],
+            "uptime_s": round(time.monotonic() - self.started_at, 3),
+        }
+
+
+def _retrieve_exception(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # marks it retrieved: a failed write whose request went away is not an error
+
+
+def _api_error_from_write_error(err: BaseException) -> ApiError:
+    if is_out_of_space(err):
+        return ApiError(507, "insufficient_storage", f"the data disk is full: {err}; nothing was stored")
+    if isinstance(err, OSError) and err.errno == errno.ESHUTDOWN:
+        return ApiError(503, "shutting_down", "the collector is stopping; send again later")
+    return ApiError(503, "storage_failed", f"writing the record failed: {err}; nothing was acknowledged")
