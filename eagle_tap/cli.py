@@ -1,0 +1,87 @@
+"""The `eagle-tap` command: one entry point, one subcommand per step of the pipeline.
+
+Each part registers its own subcommands through an `add_commands(subparsers)` function in its `cli`
+module (listed in `COMMAND_MODULES`). Those modules import nothing heavy at module level, so
+`eagle-tap --help` stays fast and works without torch, FastAPI or SGLang; the work is imported when a
+subcommand runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import signal
+import sys
+import time
+from pathlib import Path
+
+from eagle_tap import __version__
+
+# Modules with an `add_commands(subparsers)` function, each adding the subcommands of one part.
+COMMAND_MODULES: tuple[str, ...] = (
+    "collector_service.cli",
+)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from eagle_tap.sglang_server import ServerConfig, SGLangServer
+    from eagle_tap.tiny_model import TINY_MODEL_DIR
+
+    config = ServerConfig(
+        model_path=Path(args.model) if args.model else TINY_MODEL_DIR,
+        device=args.device,
+        host=args.host,
+        port=args.port,
+        extra_args=tuple(args.sglang_args),
+        log_path=Path(args.log) if args.log else None,
+    )
+    server = SGLangServer(config)
+    print(f"starting SGLang for {config.model_path} on {server.url} (log: {server.log_path or 'temp file'})", flush=True)
+    with server:
+        print(f"serving at {server.url}; Ctrl-C stops it and every process it started", flush=True)
+        signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as cleanly as Ctrl-C
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eagle-tap", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"eagle-tap {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="run an SGLang server (CPU by default, with the tiny model) until Ctrl-C",
+        description="Start SGLang through eagle-tap's harness: CPU flags and stand-ins on CPU, loopback, "
+        "whole process tree stopped on exit. Flags after `--` go to sglang.launch_server.",
+    )
+    serve.add_argument("--model", help="HF model folder (default: the bundled tiny model)")
+    serve.add_argument("--device", default="cpu", help="`cpu` (default) or a device SGLang knows, e.g. cuda")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=None, help="default: a free port")
+    serve.add_argument("--log", help="file for the server's output (default: a temp file)")
+    serve.add_argument("sglang_args", nargs=argparse.REMAINDER, help="extra sglang.launch_server flags after --")
+    serve.set_defaults(run=_serve)
+
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).add_commands(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "sglang_args", None) and args.sglang_args[0] == "--":
+        args.sglang_args = args.sglang_args[1:]
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

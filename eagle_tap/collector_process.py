@@ -1,0 +1,56 @@
+"""Start a real collector (`python -m collector_service collect`) as a child process on loopback.
+
+Used by the tests, the capture benchmark and the demo. `CollectorProcess(...)` returns once `/healthz`
+answers; `stop()` terminates it (SIGTERM, so it seals its open shard) and waits.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from eagle_tap.sglang_server import free_port
+
+
+class CollectorProcess:
+    """A real collector (`python -m collector_service collect`) on a loopback port, stopped with `stop()`."""
+
+    def __init__(self, data_dir: Path, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
+        self.data_dir = data_dir
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        data_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = data_dir.parent / f"collector-{self.port}.log"
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "collector_service", "collect", "--data-dir", str(data_dir),
+             "--host", "127.0.0.1", "--port", str(self.port), *extra_args],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"collector exited with {self.process.returncode}: see {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/healthz", timeout=5):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError(f"collector did not answer /healthz within {timeout_s:.0f} s: see {self.log_path}")
+
+    def stop(self) -> None:
+        """Terminate the collector (it seals its open shard on SIGTERM) and wait; safe to call twice."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+        if not self._log.closed:
+            self._log.close()

@@ -1,0 +1,235 @@
+"""Start a real SGLang server as a child process, wait until it serves, and always stop its whole tree.
+
+Used by the tests (through a pytest fixture) and by the demo. What must hold:
+- the server listens on loopback only, on a port picked free at start-up;
+- `start()` returns only once `/health_generate` answered 200 (a real forward ran), and raises
+  `ServerStartError` with the tail of the server's log otherwise;
+- `stop()` leaves no process behind: the server runs in its own session (process group), and every
+  descendant found before the stop is killed too, even one that left the group.
+
+On a CPU machine (`device="cpu"`) the server gets SGLang's CPU engine, the flags that keep every layer
+on its native torch path, and import-only stand-ins for `sgl_kernel` and `torchvision` (no CPU build
+of either exists on PyPI) when the real packages are missing. A CPU with AMX tiles is refused: there
+SGLang routes layers to `sgl_kernel`'s AMX kernels, which a stand-in cannot provide. On a GPU machine
+nothing is added: a plain `pip install sglang==0.5.23` brings the real packages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+CPU_STANDINS_DIR = Path(__file__).resolve().parent / "cpu_standins"
+
+# Flags that keep SGLang on paths that run on a CPU without any compiled kernel (verified with 0.5.23).
+CPU_SERVER_ARGS: tuple[str, ...] = (
+    "--device", "cpu",
+    "--attention-backend", "torch_native",
+    "--disable-overlap-schedule",
+    "--skip-server-warmup",
+    "--grammar-backend", "none",
+    "--sleep-on-idle",  # an idle scheduler otherwise spins a whole core, and tests run several servers
+)
+# SGLang sizes its KV pool from free memory; on a CPU that is system RAM (about 16 GB of a 24 GB
+# machine per server), so a few test servers at once would exhaust it. 131,072 tokens of the tiny
+# model's KV cache take about 0.25 GB.
+CPU_MAX_TOTAL_TOKENS = 131_072
+
+
+class ServerStartError(RuntimeError):
+    """The SGLang server did not become healthy; the message holds the tail of its log."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ServerConfig:
+    """How to start one SGLang server."""
+
+    model_path: Path
+    """HF-format model folder to serve."""
+    device: str = "cpu"
+    """`cpu` adds the CPU engine, CPU flags and stand-ins; anything else passes through as `--device`."""
+    host: str = "127.0.0.1"
+    """Interface to bind; loopback unless the caller really means otherwise."""
+    port: int | None = None
+    """TCP port; a free one is picked when None."""
+    extra_args: tuple[str, ...] = ()
+    """More `sglang.launch_server` flags, appended last."""
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Extra environment for the server (e.g. the capture plugin's settings)."""
+    startup_timeout_s: float = 240.0
+    """How long to wait for `/health_generate` before giving up."""
+    log_path: Path | None = None
+    """Where the server's stdout+stderr go; a temp file when None."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def cpu_has_amx_tiles() -> bool:
+    """True when the CPU advertises Intel AMX tiles (read from /proc/cpuinfo; no torch import)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return "amx_tile" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def _is_real_package(name: str) -> bool:
+    spec = importlib.util.find_spec(name)
+    return spec is not None and not str(spec.origin or "").startswith(str(CPU_STANDINS_DIR))
+
+
+def stand_ins_needed() -> list[str]:
+    """Names of the compiled packages missing here, for which the CPU stand-ins must be used."""
+    return [name for name in ("sgl_kernel", "torchvision") if not _is_real_package(name)]
+
+
+def use_cpu_stand_ins_in_this_process() -> None:
+    """Let this process import SGLang modules on a CPU machine (e.g. to load a model class in a test)."""
+    if stand_ins_needed() and str(CPU_STANDINS_DIR) not in sys.path:
+        sys.path.insert(0, str(CPU_STANDINS_DIR))
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+
+def server_environment(config: ServerConfig) -> dict[str, str]:
+    """The environment the server process gets: ours, plus CPU settings and stand-ins where needed."""
+    env = dict(os.environ)
+    if config.device == "cpu":
+        if cpu_has_amx_tiles():
+            raise ServerStartError(
+                "refusing to start SGLang on a CPU with AMX tiles: SGLang would route layers to sgl_kernel's "
+                "AMX kernels, and this environment only has import-only stand-ins for sgl_kernel. "
+                "Install a real sgl_kernel CPU build or run on a CPU without AMX."
+            )
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        if stand_ins_needed():
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CPU_STANDINS_DIR), env.get("PYTHONPATH")]))
+    env.update(config.env)
+    return env
+
+
+def server_command(config: ServerConfig, port: int) -> list[str]:
+    """The `sglang.launch_server` command line for `config` on `port`."""
+    device_args: tuple[str, ...] = ("--device", config.device)
+    if config.device == "cpu":
+        device_args = CPU_SERVER_ARGS
+        if "--max-total-tokens" not in config.extra_args:
+            device_args += ("--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS))
+    return [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(config.model_path),
+        "--host", config.host,
+        "--port", str(port),
+        *device_args,
+        *config.extra_args,
+    ]
+
+
+class SGLangServer:
+    """One SGLang server process tree. Use as a context manager, or call `start()` and `stop()`."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.port = config.port or free_port(config.host)
+        self.url = f"http://{config.host}:{self.port}"
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log_file = None
+        self.log_path = config.log_path
+
+    def __enter__(self) -> "SGLangServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        env = server_environment(self.config)
+        if self.log_path is None:
+            self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"eagle-tap-sglang-{self.port}.log"
+        self._log_file = open(self.log_path, "wb")
+        self._process = subprocess.Popen(
+            server_command(self.config, self.port),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, so stop() can signal the whole tree
+        )
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._process is None or self._process.poll() is not None:
+                raise ServerStartError(f"SGLang exited with code {self._process.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health_generate", timeout=30) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.5)
+        raise ServerStartError(
+            f"SGLang did not answer /health_generate within {self.config.startup_timeout_s:.0f} s:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop the server and every process it started; safe to call twice."""
+        process, self._process = self._process, None
+        if process is not None:
+            terminate_tree(process.pid, grace_s=grace_s)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=grace_s)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+def terminate_tree(pid: int, *, grace_s: float) -> None:
+    """SIGTERM a process, its group and all descendants; SIGKILL whatever is left after `grace_s`."""
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGTERM)
+    for proc in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=grace_s)

@@ -1,0 +1,82 @@
+"""Shared fixtures: the tiny target model and real SGLang servers (CPU here) that are always stopped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from eagle_tap.collector_process import CollectorProcess
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items or _cuda_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
+    for item in gpu_items:
+        item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    from eagle_tap.tiny_model import TINY_MODEL_DIR
+
+    return TINY_MODEL_DIR
+
+
+@pytest.fixture(scope="module")
+def start_sglang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., "SGLangServer"]]:
+    """Factory: `start_sglang(model_path, extra_args=(...), env={...})` -> a healthy server, stopped after the module.
+
+    Within a module, servers are shared per (model, args, env), since each start costs 15-40 s on 2 cores;
+    each holds about 2 GB, so none outlives its module.
+    """
+    from eagle_tap.sglang_server import ServerConfig, SGLangServer
+
+    servers: dict[tuple, SGLangServer] = {}
+
+    def start(model_path: Path, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> SGLangServer:
+        key = (str(model_path), tuple(extra_args), tuple(sorted((env or {}).items())))
+        if key not in servers:
+            log_dir = tmp_path_factory.mktemp("sglang")
+            config = ServerConfig(model_path=model_path, extra_args=tuple(extra_args), env=dict(env or {}),
+                                  log_path=log_dir / "server.log")
+            server = SGLangServer(config)
+            server.start()
+            servers[key] = server
+        return servers[key]
+
+    try:
+        yield start
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+
+
+@pytest.fixture
+def start_collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., CollectorProcess]]:
+    """Factory: `start_collector(port=None, data_dir=None)` -> a running collector, stopped after the test."""
+    started: list[CollectorProcess] = []
+
+    def start(port: int | None = None, data_dir: Path | None = None, extra_args: tuple[str, ...] = ()) -> CollectorProcess:
+        collector = CollectorProcess(data_dir or tmp_path_factory.mktemp("collector") / "data", port, extra_args)
+        started.append(collector)
+        return collector
+
+    try:
+        yield start
+    finally:
+        for collector in started:
+            collector.stop()

@@ -1,0 +1,118 @@
+"""The CPU SGLang harness: a real server serves the tiny model like HF transformers does, and stops cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+
+import psutil
+import pytest
+
+from eagle_tap import sglang_server
+from eagle_tap.sglang_server import CPU_STANDINS_DIR, ServerConfig, SGLangServer, ServerStartError
+
+PROMPTS = [
+    "def read_config(path):\n    with open(path) as f:\n",
+    "import os\nimport sys\n\n\ndef main():\n",
+]
+NUM_NEW_TOKENS = 16
+# bf16 logits of two kernels differ by rounding; where the reference's top-2 logits are closer than this,
+# either token is a correct greedy choice and the sequences may part ways from there on.
+TIE_MARGIN = 0.25
+
+
+def post_json(url: str, payload: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def hf_greedy(model_dir, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
+    """Greedy continuation by HF transformers, and the top-1 minus top-2 logit margin at each step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([prompt_ids])
+    tokens, margins = [], []
+    with torch.no_grad():
+        for _ in range(NUM_NEW_TOKENS):
+            logits = model(ids).logits[0, -1].float()
+            top2 = logits.topk(2)
+            tokens.append(int(top2.indices[0]))
+            margins.append(float(top2.values[0] - top2.values[1]))
+            ids = torch.cat([ids, top2.indices[:1].view(1, 1)], dim=1)
+    return tokens, margins
+
+
+def test_cpu_server_greedy_equals_transformers_and_stops_without_leftovers(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    server = SGLangServer(ServerConfig(model_path=tiny_model_dir, log_path=tmp_path / "server.log"))
+    with server:
+        tree = psutil.Process(server._process.pid).children(recursive=True)
+        assert len(tree) >= 2, "expected SGLang's scheduler and detokenizer processes under the server"
+        for prompt in PROMPTS:
+            prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            served = post_json(f"{server.url}/generate", {
+                "input_ids": prompt_ids,
+                "sampling_params": {"max_new_tokens": NUM_NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+            })
+            served_ids = served["output_ids"]
+            reference_ids, margins = hf_greedy(tiny_model_dir, prompt_ids)
+            assert len(served_ids) == NUM_NEW_TOKENS
+            num_equal = 0
+            for step, (got, want, margin) in enumerate(zip(served_ids, reference_ids, margins)):
+                if got != want:
+                    # Only a near-tie may part the two: both tokens are valid greedy choices there.
+                    assert margin < TIE_MARGIN, f"prompt {prompt!r} step {step}: SGLang chose {got}, transformers {want} (margin {margin:.3f})"
+                    break
+                num_equal += 1
+            assert num_equal >= 4, f"sequences parted after {num_equal} steps ({served_ids} vs {reference_ids})"
+        pids = [server._process.pid, *(proc.pid for proc in tree)]
+    assert server._process is None
+    survivors = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert survivors == [], f"processes left after stop(): {survivors}"
+
+
+def test_failed_start_reports_the_log_and_leaves_nothing(tmp_path):
+    server = SGLangServer(ServerConfig(model_path=tmp_path / "no-such-model", log_path=tmp_path / "server.log",
+                                       startup_timeout_s=120))
+    with pytest.raises(ServerStartError, match="SGLang exited with code"):
+        server.start()
+    assert server._process is None
+
+
+def test_cpu_with_amx_tiles_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr(sglang_server, "cpu_has_amx_tiles", lambda: True)
+    with pytest.raises(ServerStartError, match="AMX tiles"):
+        sglang_server.server_environment(ServerConfig(model_path=tmp_path))
+
+
+def test_cpu_environment_adds_engine_and_stand_ins_only_for_cpu(tmp_path):
+    cpu_env = sglang_server.server_environment(ServerConfig(model_path=tmp_path))
+    assert cpu_env["SGLANG_USE_CPU_ENGINE"] == "1"
+    if sglang_server.stand_ins_needed():
+        assert cpu_env["PYTHONPATH"].split(os.pathsep)[0] == str(CPU_STANDINS_DIR)
+    command = sglang_server.server_command(ServerConfig(model_path=tmp_path), port=1234)
+    assert "--attention-backend" in command and "torch_native" in command
+    gpu_command = sglang_server.server_command(ServerConfig(model_path=tmp_path, device="cuda"), port=1234)
+    assert "torch_native" not in gpu_command and gpu_command[gpu_command.index("--device") + 1] == "cuda"
+
+
+@pytest.mark.parametrize("statement", [
+    "import sgl_kernel; sgl_kernel.silu_and_mul(1, 2)",
+    "from sgl_kernel.kvcacheio import transfer_embedding_ranges_direct as f; f()",
+    "import torchvision.transforms.v2.functional as F; F.resize(None, 1)",
+])
+def test_stand_ins_import_but_raise_a_clear_error_when_called(statement):
+    env = dict(os.environ, PYTHONPATH=str(CPU_STANDINS_DIR))
+    code = f"from _eagle_tap_standin import StandInCalledError\ntry:\n    {statement}\nexcept StandInCalledError as e:\n    print('RAISED', e)\n"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("RAISED "), result.stdout
+    assert "import-only CPU stand-in" in result.stdout
