@@ -1,0 +1,90 @@
+"""The plugin's settings, read from `EAGLE_TAP_*` environment variables (pydantic-settings).
+
+Capture is enabled exactly when `EAGLE_TAP_COLLECTOR_URL` is set. A bad value never raises into
+SGLang: `load_settings()` logs what is wrong and returns None, and the plugin stays dormant.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from urllib.parse import urlparse
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from typing import Annotated
+
+from capture_format import get_codec
+
+logger = logging.getLogger("eagle_tap.plugin")
+
+
+class CaptureSettings(BaseSettings):
+    """Everything the capture plugin can be told; every field has an `EAGLE_TAP_<NAME>` variable."""
+
+    model_config = SettingsConfigDict(env_prefix="EAGLE_TAP_", extra="ignore")
+
+    collector_url: str | None = None
+    """Base URL of the collector (e.g. http://127.0.0.1:8700); capture is off while unset."""
+    token: SecretStr | None = None
+    """Bearer token the collector expects, if it has one."""
+    capture_layers: Annotated[list[int] | None, NoDecode] = None
+    """Decoder layers whose input is captured, e.g. `3,31,59`; default `[3, L//2 + 1, L - 2]`."""
+    codec: str = "bf16-split"
+    """Codec of the aux and final states in each frame: raw, zstd:N or bf16-split."""
+    spool_dir: Path = Path("/tmp/eagle-tap-spool")
+    """Where frames wait while the collector is unreachable; re-sent in order when it is back."""
+    spool_max_bytes: int = Field(default=8 << 30, ge=0)
+    """Bound of the spool; frames that would exceed it are dropped and counted."""
+    inflight_max_bytes: int = Field(default=512 << 20, ge=1)
+    """Bound of copied-but-not-yet-sent raw bytes held in memory; past it records are dropped and counted."""
+    sample_rate: float = Field(default=1.0, ge=0.0, le=1.0)
+    """Fraction of tagged requests captured, chosen by a hash of the record id (deterministic)."""
+    partial_ttl_s: float = Field(default=600.0, gt=0)
+    """A chunked capture whose next chunk has not come within this time is dropped (e.g. an abort)."""
+    send_timeout_s: float = Field(default=30.0, gt=0)
+    """Timeout of one POST to the collector."""
+    stats_path: Path | None = None
+    """JSON file the counters are written to about once a second; default `<spool_dir>/dp<rank>/stats.json`."""
+
+    @field_validator("collector_url")
+    @classmethod
+    def _check_url(cls, url: str | None) -> str | None:
+        if url is None or url == "":
+            return None
+        parsed = urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"must be an http(s) URL with a host, like http://127.0.0.1:8700; got {url!r}")
+        return url.rstrip("/")
+
+    @field_validator("capture_layers", mode="before")
+    @classmethod
+    def _parse_layers(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip().strip("[]")
+            if not text:
+                return None
+            try:
+                return [int(part) for part in text.replace(",", " ").split()]
+            except ValueError:
+                raise ValueError(f"must be decoder-layer indices like '3,31,59'; got {value!r}") from None
+        return value
+
+    @field_validator("codec")
+    @classmethod
+    def _check_codec(cls, codec: str) -> str:
+        get_codec(codec)  # raises UnknownCodecError naming the available codecs
+        return codec
+
+    @property
+    def enabled(self) -> bool:
+        return self.collector_url is not None
+
+
+def load_settings() -> CaptureSettings | None:
+    """The settings from the environment, or None (with one error log line) when they are invalid."""
+    try:
+        return CaptureSettings()
+    except (ValidationError, ValueError) as error:
+        logger.error("eagle-tap capture disabled: invalid EAGLE_TAP_* settings: %s", error)
+        return None

@@ -1,0 +1,57 @@
+"""Counters of the capture plugin, shared by the forward hook and the sender thread.
+
+Written as JSON to a stats file (atomically, about once a second) that clients and tests read, and
+logged periodically. Drop reasons are open-ended strings so each path names its own.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+
+class CaptureStats:
+    """Thread-safe counters; `snapshot()` is what the stats file holds."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._dropped: collections.Counter[str] = collections.Counter()
+        self.started_at = time.time()
+        self.status = "starting"
+        """What this process is doing: `starting`, `capturing` or `dormant: <why>`."""
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += amount
+
+    def set(self, name: str, value: int) -> None:
+        """A gauge: the current value, not a count."""
+        with self._lock:
+            self._counts[name] = value
+
+    def drop(self, reason: str) -> None:
+        with self._lock:
+            self._dropped[reason] += 1
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "pid": os.getpid(),
+                "status": self.status,
+                "started_at": self.started_at,
+                "updated_at": time.time(),
+                **{name: self._counts[name] for name in sorted(self._counts)},
+                "dropped": dict(sorted(self._dropped.items())),
+            }
+
+    def write(self, path: Path) -> None:
+        """Replace `path` with the current snapshot (temp file + rename, so readers never see half)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temp.write_text(json.dumps(self.snapshot(), indent=1, sort_keys=True))
+        os.replace(temp, path)
