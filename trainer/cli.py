@@ -1,0 +1,137 @@
+"""Subcommands of the trainer: `draft-config`, `vocab` and `train`.
+
+Imports nothing heavy at module level: torch, transformers and matplotlib load when a command runs.
+A bad setting or a mismatch between target, mapping and captures ends the command with its message
+on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+
+__all__ = ["add_commands"]
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def _key_values(pairs: list[str]) -> dict[str, object]:
+    values = {}
+    for pair in pairs:
+        key, separator, text = pair.partition("=")
+        if not separator:
+            raise ValueError(f"--set {pair!r} must look like key=value")
+        try:
+            values[key] = json.loads(text)
+        except ValueError:
+            values[key] = text
+    return values
+
+
+def _reporting_errors(run):
+    @functools.wraps(run)
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except ValueError as error:
+            print(f"eagle-tap {args.command}: {error}", file=sys.stderr)
+            return 2
+
+    return wrapped
+
+
+@_reporting_errors
+def _draft_config(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from trainer.draft_config import build_draft_config
+
+    config = build_draft_config(
+        args.target, draft_vocab_size=args.draft_vocab_size, capture_layers=args.capture_layers,
+        overrides=_key_values(args.set),
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {out}: hidden {config['hidden_size']}, heads {config['num_attention_heads']}/"
+          f"{config['num_key_value_heads']}, draft vocab {config['draft_vocab_size']} of {config['vocab_size']}, "
+          f"capture layers {config['eagle_tap']['capture_layers']}")
+    return 0
+
+
+@_reporting_errors
+def _vocab(args: argparse.Namespace) -> int:
+    from trainer.vocab import build_vocab_mapping, coverage_report
+
+    mapping, counts = build_vocab_mapping(
+        target_dir=args.target, draft_vocab_size=args.draft_vocab_size, out_dir=args.out, shard_dir=args.shards,
+        frequency_file=args.frequencies, force_template_tokens=not args.no_template_tokens,
+        forced_ids=args.force_token_ids, if_fewer=args.if_fewer,
+    )
+    print(coverage_report(counts, mapping))
+    print(f"wrote {args.out}: t2d/d2t (.npy, .pt), vocab.json, token_frequencies.json, coverage.png")
+    return 0
+
+
+@_reporting_errors
+def _train(args: argparse.Namespace) -> int:
+    from trainer.config_io import load_config
+    from trainer.train import Config, train
+
+    config = load_config(Config, args.config, args.overrides)
+    summary = train(config, resume=args.resume_from or args.resume)
+    print(json.dumps(summary))
+    return 0
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    draft = subparsers.add_parser(
+        "draft-config", help="write an EAGLE-3 draft config.json derived from the target's config",
+        description="Derive the draft's config (one Llama decoder layer, SGLang's LlamaForCausalLMEagle3) from "
+        "the target's: hidden size, heads, KV heads, intermediate size, rope, max positions, vocab sizes, "
+        "capture layers and SGLang's aux layer ids.",
+    )
+    draft.add_argument("--target", required=True, help="Hugging Face folder of the target model")
+    draft.add_argument("--out", required=True, help="config file to write")
+    draft.add_argument("--draft-vocab-size", type=int, help="lm_head rows (default: 32000 or the target's vocab)")
+    draft.add_argument("--capture-layers", type=_ids, help="e.g. 3,31,59 (default: 3, L//2+1, L-2)")
+    draft.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a derived value (JSON), e.g. --set num_key_value_heads=8")
+    draft.set_defaults(run=_draft_config)
+
+    vocab = subparsers.add_parser(
+        "vocab", help="choose the draft vocab from token frequencies; write t2d/d2t and a coverage report",
+        description="Count loss-masked captured tokens (or read a frequency file), keep the N most frequent plus "
+        "the chat template's special tokens, write the mapping and print coverage at N and at 8K/16K/32K/64K/full.",
+    )
+    vocab.add_argument("--target", required=True, help="Hugging Face folder of the target model (vocab, tokenizer)")
+    vocab.add_argument("--draft-vocab-size", type=int, required=True, help="N: tokens the draft predicts")
+    vocab.add_argument("--out", required=True, help="directory to write the mapping into")
+    source = vocab.add_mutually_exclusive_group(required=True)
+    source.add_argument("--shards", help="capture shard directory: count loss-masked tokens of every record")
+    source.add_argument("--frequencies", help='JSON file {"token_id": count, ...}')
+    vocab.add_argument("--if-fewer", choices=("error", "shrink", "fill"), default="error",
+                       help="fewer distinct tokens than N: fail (default), shrink N, or fill with unobserved ids")
+    vocab.add_argument("--no-template-tokens", action="store_true",
+                       help="do not force the chat template's special tokens and end-of-turn ids in")
+    vocab.add_argument("--force-token-ids", type=_ids, default=[], help="more ids to force in, e.g. 0,1,2")
+    vocab.set_defaults(run=_vocab)
+
+    train = subparsers.add_parser(
+        "train", help="train the EAGLE-3 draft (one process, or under torchrun)",
+        description="Train with every setting from one config file (TOML or JSON) plus dotted overrides, e.g. "
+        "`eagle-tap train --config run.toml optimizer.learning_rate=3e-4 data.batch_size=4`. Under torchrun "
+        "each rank reads its own share of the shards.",
+    )
+    train.add_argument("--config", required=True, help="training config file (.toml or .json)")
+    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir")
+    train.add_argument("--resume-from", metavar="CHECKPOINT", help="continue from this checkpoint directory")
+    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config settings")
+    train.set_defaults(run=_train)

@@ -1,0 +1,238 @@
+"""The EAGLE-3 draft model in plain PyTorch: the math of SGLang's `LlamaForCausalLMEagle3`.
+
+One draft step, as SGLang's draft forward computes it (one decoder layer, `midlayer`):
+
+    h      = fc(aux)                                   first step; later steps take the previous out
+    x      = cat(input_layernorm(embed(ids)), hidden_norm(h))        (embedding first, then hidden)
+    r      = o_proj(attention(x)) + h
+    out    = mlp(post_attention_layernorm(r)) + r      pre-norm: the hidden state of the next step
+    logits = lm_head(norm(out))                        over the draft vocab
+
+Parameter names are the ones `LlamaForCausalLMEagle3.load_weights` reads (`midlayer` is its legacy
+name for `layers.0`; q/k/v and gate/up are stacked at load): fc, midlayer.{hidden_norm,
+input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj},
+norm, lm_head, embed_tokens (frozen, the target's), and the buffers d2t (read as hot token ids)
+and t2d (skipped by SGLang).
+
+Attention takes a list of earlier test-time-training steps' keys and values (`cache`): the first
+entry is attended causally (within each record), the later ones only at the query's own row (the
+draft's chain of guesses at that position). With an empty cache this is plain causal attention.
+Scores are materialised, (B, N, S, S), for clarity; long rows on GPU would want flex attention
+with the same mask.
+
+Shape legend: B rows, S positions, H hidden, K capture layers, N query heads, G key/value heads,
+E head dim, J cached steps, V target vocab, D draft vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """Shapes of the draft, read from the draft config (`eagle-tap draft-config`)."""
+
+    hidden_size: int
+    """H: width of the draft's decoder layer."""
+    target_hidden_size: int
+    """Width of each captured target state."""
+    num_aux_hidden_states: int
+    """K: capture layers concatenated into fc's input."""
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int
+    """V: the target's vocabulary (embedding rows)."""
+    draft_vocab_size: int
+    """D: lm_head rows."""
+    max_position_embeddings: int
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    """As transformers writes them: rope_type, rope_theta and the type's own fields."""
+
+    @classmethod
+    def from_draft_config(cls, draft: dict[str, Any]) -> Config:
+        if draft.get("hidden_act", "silu") != "silu" or draft.get("num_hidden_layers", 1) != 1:
+            raise ValueError("the draft must be one Llama decoder layer with hidden_act silu")
+        heads = draft["num_attention_heads"]
+        return cls(
+            hidden_size=draft["hidden_size"],
+            target_hidden_size=draft.get("target_hidden_size", draft["hidden_size"]),
+            num_aux_hidden_states=draft["num_aux_hidden_states"],
+            num_attention_heads=heads,
+            num_key_value_heads=draft.get("num_key_value_heads", heads),
+            head_dim=draft.get("head_dim") or draft["hidden_size"] // heads,
+            intermediate_size=draft["intermediate_size"],
+            rms_norm_eps=draft["rms_norm_eps"],
+            vocab_size=draft["vocab_size"],
+            draft_vocab_size=draft["draft_vocab_size"],
+            max_position_embeddings=draft["max_position_embeddings"],
+            rope_parameters=dict(draft["rope_parameters"]),
+        )
+
+
+def rope_frequencies(config: Config) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (E/2,) and the cos/sin scale of the draft's rope, as transformers computes them."""
+    rope_type = config.rope_parameters.get("rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; accepted: {', '.join(STATIC_ROPE_TYPES)}")
+    if rope_type == "default":
+        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim  # (E/2,)
+        return 1.0 / config.rope_parameters["rope_theta"] ** exponents, 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_config = LlamaConfig(
+        hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads, head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings, rope_parameters=dict(config.rope_parameters),
+    )
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+    return inv_freq.float(), float(scale)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, S, E) rotated by cos/sin (B, 1, S, E), half-split (neox) layout as Llama."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # (B, heads, S, E)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., size)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        width = 2 * config.hidden_size  # input: cat(embedding, hidden)
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, cache: list
+    ) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)  # (B, N, S, E)
+        k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, G, S, E)
+        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, G, S, E)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        repeat = self.num_heads // self.num_kv_heads
+        cache.append((k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)))  # (B, N, S, E) each
+        scale = 1.0 / math.sqrt(self.head_dim)
+        k0, v0 = cache[0]
+        scores = (q @ k0.transpose(-1, -2)) * scale  # (B, N, S, S): the first step's keys, causal per record
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if len(cache) > 1:
+            k_chain = torch.stack([k_j for k_j, _ in cache[1:]], dim=3)  # (B, N, S, J, E)
+            v_chain = torch.stack([v_j for _, v_j in cache[1:]], dim=3)  # (B, N, S, J, E)
+            chain_scores = (q.unsqueeze(3) * k_chain).sum(-1) * scale  # (B, N, S, J): own row of later steps
+            scores = torch.cat([scores, chain_scores], dim=-1)  # (B, N, S, S + J)
+        probs = scores.float().softmax(dim=-1).to(q.dtype)  # (B, N, S, S [+ J])
+        out = probs[..., :S] @ v0  # (B, N, S, E)
+        if len(cache) > 1:
+            out = out + (probs[..., S:].unsqueeze(-1) * v_chain).sum(3)  # (B, N, S, E)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # (B, S, H)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, S, H)
+
+
+class DecoderLayer(nn.Module):
+    """SGLang's EAGLE-3 input layer: attention over cat(norm(embedding), norm(hidden))."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, embeds, hidden, cos, sin, mask, cache) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, S, 2H)
+        residual = self.self_attn(x, cos, sin, mask, cache) + hidden  # (B, S, H)
+        return self.mlp(self.post_attention_layernorm(residual)) + residual  # (B, S, H), pre-norm
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's (trainer/target_weights.py)
+        self.fc = nn.Linear(config.num_aux_hidden_states * config.target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = DecoderLayer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        inv_freq, self.rope_scale = rope_frequencies(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (E/2,)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = position_ids.unsqueeze(-1).float() * self.inv_freq  # (B, S, E/2)
+        angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # (B, 1, S, E)
+        return (angles.cos() * self.rope_scale).to(dtype), (angles.sin() * self.rope_scale).to(dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        cache: list | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step. hidden (B, S, H): fc(aux) at the first step, the previous `out` after;
+        mask (B, 1, S, S) bool: the first step's keys each query may see. Returns out (B, S, H),
+        pre-norm, for the next step and logits (B, S, D). (SGLang applies fc inside its forward
+        whenever the incoming width differs from H, which is every first step with K >= 2.)"""
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # (B, S, H)
+        cos, sin = self.rope(position_ids, hidden.dtype)  # (B, 1, S, E) each
+        out = self.midlayer(embeds, hidden, cos, sin, mask, [] if cache is None else cache)  # (B, S, H)
+        return out, self.lm_head(self.norm(out))  # (B, S, H), (B, S, D)
+
+
+def causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, S, S) bool: query s sees key t <= s of the same record; always itself (pads stay finite)."""
+    S = doc_ids.shape[1]
+    same = doc_ids.unsqueeze(2) == doc_ids.unsqueeze(1)  # (B, S, S)
+    causal = torch.ones(S, S, dtype=torch.bool, device=doc_ids.device).tril()  # (S, S)
+    return ((same & causal) | torch.eye(S, dtype=torch.bool, device=doc_ids.device)).unsqueeze(1)
+
+
+def trainable_state_dict(model: Eagle3Draft) -> dict[str, torch.Tensor]:
+    """What a checkpoint keeps: every trained parameter and the vocab buffers; not the frozen embedding."""
+    return {name: value for name, value in model.state_dict().items() if name != "embed_tokens.weight"}

@@ -1,0 +1,366 @@
+"""`eagle-tap train`: EAGLE-3 draft training off capture shards, in one process or under torchrun.
+
+What must hold:
+- every setting is in one typed Config (a TOML/JSON file plus dotted overrides), written to
+  out_dir/config.json; the target, draft config, vocab mapping and every record must agree
+  (vocab sizes, tokenizer, capture layers, hidden size, target fingerprint) or training refuses;
+- on CPU, a run stopped after a checkpoint and continued with `--resume` logs exactly the losses
+  of an uninterrupted run: checkpoints hold weights, optimizer, scheduler, data position and RNG,
+  and the data order depends only on (seed, epoch, batch number);
+- under torchrun each rank reads its own records and DDP keeps weights equal; every rank writes a
+  digest of its final weights (final/weights-digest.rank<r>.json) so this can be checked.
+
+out_dir: config.json, metrics.jsonl, loss.png, accuracy.png, checkpoints/, final/ (model.safetensors
+with SGLang's parameter names, the draft config.json, weight digests), record_ids.rank<r>.txt
+(with log_record_ids).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer import data, distributed, ttt
+from trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
+from trainer.config_io import config_to_dict
+from trainer.metrics import MetricsLog, write_plots
+from trainer.model import Config as ModelConfig
+from trainer.model import Eagle3Draft, trainable_state_dict
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    """AdamW with linear warmup and cosine decay."""
+
+    learning_rate: float = 1e-4
+    """Peak learning rate, reached after warmup_steps."""
+    min_learning_rate_ratio: float = 0.1
+    """The cosine ends at learning_rate * this at num_steps."""
+    warmup_steps: int = 100
+    weight_decay: float = 0.0
+    """Applied to matrices only, never to norms."""
+    betas: tuple[float, ...] = (0.9, 0.95)
+    grad_clip_norm: float = 0.5
+    """Clip the global gradient norm to this (0: no clipping)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """Every setting of a training run."""
+
+    target: str
+    """Hugging Face folder of the target: config, tokenizer, embed_tokens and lm_head weights."""
+    draft_config: str
+    """The draft's config.json (`eagle-tap draft-config`)."""
+    vocab: str
+    """Vocab mapping directory (`eagle-tap vocab`)."""
+    out_dir: str
+    """Where checkpoints, metrics, plots and the final weights go."""
+    data: data.Config
+    objective: ttt.Config = field(default_factory=ttt.Config)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    num_steps: int = 1000
+    """Optimizer steps of the whole run (the schedule spans them)."""
+    stop_after_steps: int | None = None
+    """Stop this invocation after so many steps (a job's time slot); --resume continues."""
+    grad_accumulation_steps: int = 1
+    init_lm_head_from_target: bool = True
+    """Start lm_head from the target's lm_head rows of the draft vocab (else random)."""
+    checkpoint_every: int = 500
+    """Steps between checkpoints (0: only at the end)."""
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    eval_shards: str | None = None
+    """Held-out shard directory: per-step accuracy every eval_every steps and at the end."""
+    eval_every: int = 0
+    eval_max_batches: int = 100
+    seed: int = 0
+    """Seeds the draft's initialisation (the data order has its own seed in data.seed)."""
+    device: str = "auto"
+    """auto (cuda when present), cpu or cuda."""
+    bf16_autocast: bool = True
+    """bf16 autocast on GPU (weights and optimizer stay fp32); CPU always runs fp32."""
+    num_threads: int | None = None
+    """torch CPU threads per process (None: torch's default)."""
+    progress_bar: bool = True
+    log_record_ids: bool = False
+    """Write the ids of the records each rank trained on to out_dir/record_ids.rank<r>.txt."""
+
+
+def learning_rate_factor(step: int, config: Config) -> float:
+    """Multiplier of the peak learning rate at step: linear warmup, then cosine to the floor."""
+    optimizer = config.optimizer
+    if step < optimizer.warmup_steps:
+        return (step + 1) / optimizer.warmup_steps
+    progress = (step - optimizer.warmup_steps) / max(1, config.num_steps - optimizer.warmup_steps)
+    floor = optimizer.min_learning_rate_ratio
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def build_objective(
+    config: Config, runtime: distributed.Runtime
+) -> tuple[ttt.Eagle3Objective, dict[str, Any], str]:
+    """The draft (target embedding, vocab mapping loaded) inside its objective; the draft config; fingerprint."""
+    from capture_format.fingerprint import model_fingerprint
+    from trainer.draft_config import load_draft_config
+    from trainer.target_weights import load_embedding_and_lm_head
+    from trainer.vocab import load_vocab_mapping, read_model_config
+
+    draft_json = load_draft_config(config.draft_config)
+    model_config = ModelConfig.from_draft_config(draft_json)
+    target = read_model_config(config.target)
+    fingerprint = model_fingerprint(config.target)
+    if draft_json["eagle_tap"]["target_model_fingerprint"] != fingerprint:
+        made_for = draft_json["eagle_tap"]["target_model_fingerprint"]
+        raise ValueError(f"{config.draft_config} was made for target {made_for}; {config.target} is {fingerprint}. "
+                         f"Rerun eagle-tap draft-config --target {config.target}")
+    if (model_config.vocab_size, model_config.target_hidden_size) != (target["vocab_size"], target["hidden_size"]):
+        raise ValueError(f"{config.draft_config} does not fit the target's vocab size and hidden size")
+    mapping = load_vocab_mapping(config.vocab, config.target)
+    if mapping.d2t.size != model_config.draft_vocab_size:
+        raise ValueError(f"the vocab mapping has {mapping.d2t.size} draft tokens; {config.draft_config} says "
+                         f"draft_vocab_size {model_config.draft_vocab_size}. Make them agree")
+    embedding, lm_head = load_embedding_and_lm_head(config.target, bool(target.get("tie_word_embeddings", False)))
+    torch.manual_seed(config.seed)
+    draft = Eagle3Draft(model_config)
+    draft_ids = torch.from_numpy(mapping.draft_token_ids)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(embedding.float())
+        draft.d2t.copy_(torch.from_numpy(mapping.d2t))
+        draft.t2d.copy_(torch.from_numpy(mapping.t2d))
+        if config.init_lm_head_from_target:
+            draft.lm_head.weight.copy_(lm_head[draft_ids].float())
+    head_dtype = torch.float32 if runtime.device.type == "cpu" else torch.bfloat16
+    objective = ttt.Eagle3Objective(draft, lm_head.to(head_dtype), config.objective).to(runtime.device)
+    return objective, draft_json, fingerprint
+
+
+def build_optimizer(
+    draft: Eagle3Draft, config: Config
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    trained = [(name, p) for name, p in draft.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for _, p in trained if p.ndim >= 2], "weight_decay": config.optimizer.weight_decay},
+        {"params": [p for _, p in trained if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=config.optimizer.learning_rate, betas=tuple(config.optimizer.betas))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate_factor(step, config))
+    return optimizer, scheduler
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {key: value.to(device, non_blocking=True) if torch.is_tensor(value) else value
+            for key, value in batch.items()}
+
+
+def weight_digests(draft: Eagle3Draft) -> dict[str, str]:
+    """sha256 of every tensor of the draft's state dict: equal digests, equal weights."""
+    return {name: hashlib.sha256(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for name, tensor in draft.state_dict().items()}
+
+
+@dataclass(kw_only=True, slots=True)
+class Run:
+    """A training run's live objects, built by start_run."""
+
+    config: Config
+    runtime: distributed.Runtime
+    objective: ttt.Eagle3Objective
+    module: torch.nn.Module
+    """objective, wrapped in DDP under torchrun."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    draft_json: dict[str, Any]
+    expected: dict[str, Any]
+    """What every record must match: capture_layers, hidden_size, model_fingerprint."""
+    start_step: int
+    next_batch: int
+    """Batches this rank has consumed: the data position."""
+
+    @property
+    def draft(self) -> Eagle3Draft:
+        return self.objective.draft
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.config.bf16_autocast and self.runtime.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+def start_run(config: Config, runtime: distributed.Runtime, resume: str | bool) -> Run:
+    """Builds the objective and optimizer, and restores a checkpoint when resuming."""
+    out_dir = Path(config.out_dir)
+    random.seed(config.seed)
+    np.random.seed(config.seed)
+    objective, draft_json, fingerprint = build_objective(config, runtime)
+    optimizer, scheduler = build_optimizer(objective.draft, config)
+    start_step = next_batch = 0
+    if resume:
+        found = checkpoint_dirs(out_dir)
+        if not found and not isinstance(resume, str):
+            raise ValueError(f"--resume: no checkpoint in {out_dir / 'checkpoints'}")
+        state = load_checkpoint(Path(resume) if isinstance(resume, str) else found[-1], runtime)
+        if state["world_size"] != runtime.world_size:
+            raise ValueError(f"the checkpoint was written by {state['world_size']} ranks; resume with as many")
+        objective.draft.load_state_dict({**state["model"], "embed_tokens.weight": objective.draft.embed_tokens.weight})
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start_step, next_batch = state["step"], state["data"]["next_batch"]
+    elif checkpoint_dirs(out_dir):
+        raise ValueError(f"{out_dir} already holds checkpoints: pass --resume to continue, or pick another out_dir")
+    module: torch.nn.Module = objective
+    if runtime.distributed:
+        device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+        module = torch.nn.parallel.DistributedDataParallel(objective, device_ids=device_ids, broadcast_buffers=False)
+    expected = {"capture_layers": draft_json["eagle_tap"]["capture_layers"],
+                "hidden_size": objective.draft.config.target_hidden_size, "model_fingerprint": fingerprint}
+    return Run(config=config, runtime=runtime, objective=objective, module=module, optimizer=optimizer,
+               scheduler=scheduler, draft_json=draft_json, expected=expected, start_step=start_step,
+               next_batch=next_batch)
+
+
+def train_step(run: Run, batches: Iterator[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
+    """One optimizer step over grad_accumulation_steps batches; its metrics (summed over ranks) and record ids."""
+    config, runtime = run.config, run.runtime
+    accumulation, num_steps = config.grad_accumulation_steps, config.objective.ttt_steps
+    run.optimizer.zero_grad(set_to_none=True)
+    sums = torch.zeros(2 + 3 * num_steps, device=runtime.device)  # loss, records, step losses, correct, total
+    record_ids: list[str] = []
+    for micro in range(accumulation):
+        batch = to_device(next(batches), runtime.device)
+        skip_sync = runtime.distributed and micro < accumulation - 1  # DDP averages gradients on the last one
+        with run.module.no_sync() if skip_sync else contextlib.nullcontext(), run.autocast():
+            out = run.module(batch)
+            (out["loss"] / accumulation).backward()
+        run.next_batch += 1
+        record_ids += batch["record_ids"]
+        sums += torch.cat([(out["loss"].detach() / accumulation).view(1),  # (1,)
+                           torch.tensor([float(len(batch["record_ids"]))], device=runtime.device),  # (1,)
+                           out["step_losses"] / accumulation, out["correct"], out["total"]])  # (J,) each
+    clip = config.optimizer.grad_clip_norm
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.draft.parameters(), clip if clip > 0 else float("inf"))
+    learning_rate = run.scheduler.get_last_lr()[0]
+    run.optimizer.step()
+    run.scheduler.step()
+    sums = distributed.all_reduce_sum(sums, runtime).cpu()
+    ranks = runtime.world_size
+    correct, total = sums[2 + num_steps : 2 + 2 * num_steps], sums[2 + 2 * num_steps :]
+    metrics = {"loss": sums[0].item() / ranks, "step_losses": (sums[2 : 2 + num_steps] / ranks).tolist(),
+               "step_accuracy": (correct / total.clamp(min=1)).tolist(), "num_loss_tokens": int(total[0]),
+               "num_records": int(sums[1]), "learning_rate": learning_rate, "grad_norm": float(grad_norm),
+               "epoch": batch["epoch"]}
+    return metrics, record_ids
+
+
+@torch.no_grad()
+def evaluate(run: Run, shards: str) -> dict[str, Any]:
+    """Per-TTT-step accuracy over (up to eval_max_batches batches of) a held-out shard directory."""
+    config, runtime = run.config, run.runtime
+    eval_data = data.Config(shards=shards, batch_size=config.data.batch_size, max_length=config.data.max_length,
+                            packing=config.data.packing, shuffle=False)
+    dataset = data.ShardDataset(eval_data, rank=runtime.rank, world_size=runtime.world_size, num_epochs=1,
+                                equal_per_rank=False, **run.expected)
+    num_steps = config.objective.ttt_steps
+    sums = torch.zeros(2 * num_steps, device=runtime.device)  # correct, total
+    for number, batch in enumerate(data.make_loader(dataset)):
+        if number >= config.eval_max_batches:
+            break
+        with run.autocast():
+            out = run.objective(to_device(batch, runtime.device))
+        sums += torch.cat([out["correct"], out["total"]])
+    sums = distributed.all_reduce_sum(sums, runtime).cpu()
+    correct, total = sums[:num_steps], sums[num_steps:]
+    return {"step_accuracy": (correct / total.clamp(min=1)).tolist(), "num_tokens": int(total[0])}
+
+
+def train(config: Config, resume: str | bool = False) -> dict[str, Any]:
+    """Runs a training run, or continues one (resume=True: the newest checkpoint; a path: that checkpoint)."""
+    from tqdm import tqdm
+
+    runtime = distributed.setup(config.device)
+    try:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        out_dir = Path(config.out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        run = start_run(config, runtime, resume)
+        if runtime.is_main:
+            (out_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
+        dataset = data.ShardDataset(config.data, rank=runtime.rank, world_size=runtime.world_size,
+                                    start_batch=run.next_batch, **run.expected)
+        batches = iter(data.make_loader(dataset, pin_memory=runtime.device.type == "cuda"))
+        metrics = MetricsLog(out_dir / "metrics.jsonl", enabled=runtime.is_main,
+                             resume_step=run.start_step if resume else None)
+        record_log = (out_dir / f"record_ids.rank{runtime.rank}.txt").open("a") if config.log_record_ids else None
+        last_step = config.num_steps
+        if config.stop_after_steps is not None:
+            last_step = min(last_step, run.start_step + config.stop_after_steps)
+        progress = tqdm(total=config.num_steps, initial=run.start_step, desc="train", dynamic_ncols=True,
+                        disable=not (config.progress_bar and runtime.is_main))
+        started = time.monotonic()
+        saved_step = run.start_step if resume else -1
+        for step in range(run.start_step + 1, last_step + 1):
+            line, record_ids = train_step(run, batches)
+            progress.update(1)
+            progress.set_postfix(loss=f"{line['loss']:.3f}", acc0=f"{line['step_accuracy'][0]:.3f}")
+            if record_log is not None:
+                record_log.write("".join(f"{step}\t{record_id}\n" for record_id in record_ids))
+            if step % config.log_every == 0 or step == last_step:
+                elapsed_s = round(time.monotonic() - started, 3)
+                metrics.write({"kind": "train", "step": step, **line, "elapsed_s": elapsed_s})
+            if config.eval_shards and config.eval_every and step % config.eval_every == 0:
+                metrics.write({"kind": "eval", "step": step, **evaluate(run, config.eval_shards)})
+            if config.checkpoint_every and step % config.checkpoint_every == 0:
+                save(run, step)
+                saved_step = step
+        progress.close()
+        if record_log is not None:
+            record_log.close()
+        final_step = max(run.start_step, last_step)
+        if saved_step != final_step:
+            save(run, final_step)
+        summary: dict[str, Any] = {"step": final_step, "finished": final_step >= config.num_steps}
+        if summary["finished"]:
+            if config.eval_shards:
+                summary["eval"] = evaluate(run, config.eval_shards)
+                metrics.write({"kind": "eval", "step": final_step, **summary["eval"]})
+            write_final(out_dir / "final", run)
+        if runtime.is_main:
+            write_plots(out_dir / "metrics.jsonl", out_dir)
+        return summary
+    finally:
+        distributed.teardown(runtime)
+
+
+def save(run: Run, step: int) -> None:
+    state = {"step": step, "model": trainable_state_dict(run.draft), "optimizer": run.optimizer.state_dict(),
+             "scheduler": run.scheduler.state_dict(), "data": {"next_batch": run.next_batch},
+             "world_size": run.runtime.world_size, "config": config_to_dict(run.config)}
+    out_dir = Path(run.config.out_dir)
+    save_checkpoint(out_dir, state, run.runtime, run.config.keep_checkpoints)
+    if run.runtime.is_main:
+        write_plots(out_dir / "metrics.jsonl", out_dir)
+
+
+def write_final(final_dir: Path, run: Run) -> None:
+    """The trained draft (SGLang's parameter names, no frozen embedding), its config, and this rank's digest."""
+    from safetensors.torch import save_file
+
+    final_dir.mkdir(parents=True, exist_ok=True)
+    if run.runtime.is_main:
+        tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in trainable_state_dict(run.draft).items()}
+        save_file(tensors, final_dir / "model.safetensors")
+        (final_dir / "config.json").write_text(json.dumps(run.draft_json, indent=2) + "\n")
+    digest_path = final_dir / f"weights-digest.rank{run.runtime.rank}.json"
+    digest_path.write_text(json.dumps(weight_digests(run.draft), indent=1, sort_keys=True) + "\n")

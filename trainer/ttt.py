@@ -1,0 +1,112 @@
+"""The EAGLE-3 objective: the test-time-training (TTT) unroll of the draft over one batch.
+
+Step 0 reads, at every row r, the target's states (fc(aux[r])) and the embedding of the next token,
+and predicts the token after (trainer/data.py has the alignment). Step i > 0 continues each row
+from the draft's OWN output of step i-1, as serving does after i guesses: it reads the row r + i's
+input token at position pos[r] + i and is scored on row r + i's target. Attention sees step 0's keys
+causally within the record (at serving: the KV cache of what the target verified) and the row's own
+keys of steps 1..i (the draft's chain of guesses); SpecForge's unroll after its fix of the mask
+shift (sgl-project/SpecForge#244).
+
+Loss of step i: cross-entropy against the target distribution softmax(lm_head(final)) restricted
+to the draft vocab, averaged over the rows that are loss-masked, inside the record after the
+shift and whose target argmax is in the draft vocab; the total is sum_i step_weight**i * loss_i.
+Accuracy of step i: the share of loss-masked rows where the draft's argmax is the target's argmax;
+a target argmax outside the draft vocab counts as a miss, since the draft could never propose it.
+
+Shape legend: B rows, S positions, H hidden, K capture layers, V target vocab, D draft vocab, J steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.model import Eagle3Draft, causal_mask
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """The unroll and its loss."""
+
+    ttt_steps: int = 7
+    """Draft steps unrolled per batch (J); step 0 reads the target's states."""
+    step_weight: float = 0.8
+    """Loss weight of step i is step_weight ** i."""
+    target_chunk_rows: int = 4096
+    """Rows per chunk when computing target logits over the full vocab (bounds (rows, V) memory)."""
+
+
+def shift_rows(x: torch.Tensor, steps: int, fill: float | int | bool) -> torch.Tensor:
+    """x (B, S, ...) moved `steps` rows up: row r holds row r + steps, rows past the end hold fill."""
+    if steps == 0:
+        return x
+    tail = torch.full_like(x[:, :steps], fill)  # (B, steps, ...)
+    return torch.cat([x[:, steps:], tail], dim=1)  # (B, S, ...)
+
+
+class Eagle3Objective(nn.Module):
+    """The draft plus the frozen target lm_head; forward(batch) returns the loss and per-step counts."""
+
+    def __init__(self, draft: Eagle3Draft, target_lm_head: torch.Tensor, config: Config) -> None:
+        super().__init__()
+        self.draft = draft
+        self.config = config
+        self.register_buffer("target_lm_head", target_lm_head, persistent=False)  # (V, H)
+
+    @torch.no_grad()
+    def target_distribution(self, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """final (B, S, H) -> p (B, S, D) over the draft vocab, in_vocab (B, S): target argmax is in it."""
+        draft_ids = torch.arange(self.draft.d2t.numel(), device=final.device) + self.draft.d2t  # (D,)
+        flat = final.reshape(-1, final.shape[-1])  # (B*S, H)
+        probs, in_vocab = [], []
+        head = self.target_lm_head  # (V, H): fp32 on CPU, bf16 on GPU (fp32 accumulation)
+        with torch.autocast(final.device.type, enabled=False):
+            for chunk in flat.split(self.config.target_chunk_rows):
+                logits = (chunk.to(head.dtype) @ head.T).float()  # (rows, V)
+                in_vocab.append(self.draft.t2d[logits.argmax(-1)])  # (rows,)
+                probs.append(logits[:, draft_ids].softmax(-1))  # (rows, D)
+        return torch.cat(probs).view(*final.shape[:2], -1), torch.cat(in_vocab).view(final.shape[:2])
+
+    def unroll(self, batch: dict[str, Any]) -> Iterator[dict[str, torch.Tensor]]:
+        """Per TTT step: logits (B, S, D), target_p (B, S, D), counted (B, S): rows scored for accuracy,
+        learned (B, S): counted rows whose target argmax is in the draft vocab (rows the loss uses)."""
+        aux, final = batch["aux"], batch["final"]  # (B, S, K*H), (B, S, H)
+        input_ids, position_ids, doc_ids = batch["input_ids"], batch["position_ids"], batch["doc_ids"]  # (B, S)
+        loss_mask = batch["loss_mask"] & (doc_ids >= 0)  # (B, S)
+        target_p, in_vocab = self.target_distribution(final)  # (B, S, D), (B, S)
+        mask = causal_mask(doc_ids)  # (B, 1, S, S)
+        hidden = self.draft.fc(aux.to(self.draft.fc.weight.dtype))  # (B, S, H)
+        cache: list = []
+        for step in range(self.config.ttt_steps):
+            in_record = shift_rows(doc_ids, step, -2) == doc_ids  # (B, S): row r + step is the same record
+            counted = shift_rows(loss_mask, step, False) & in_record  # (B, S)
+            step_ids = shift_rows(input_ids, step, 0)  # (B, S)
+            hidden, logits = self.draft(hidden, step_ids, position_ids + step, mask, cache)  # (B,S,H), (B,S,D)
+            yield {"logits": logits, "target_p": shift_rows(target_p, step, 0.0), "counted": counted,
+                   "learned": counted & shift_rows(in_vocab, step, False)}
+
+    def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The weighted loss (scalar) and, per step (J,): step_losses, correct and total (accuracy counts)."""
+        loss = torch.zeros((), dtype=torch.float32, device=batch["aux"].device)
+        step_losses, correct, total = [], [], []
+        for step, out in enumerate(self.unroll(batch)):
+            learned = out["learned"]  # (B, S)
+            log_q = F.log_softmax(out["logits"].float(), dim=-1)  # (B, S, D)
+            cross_entropy = -(out["target_p"] * log_q).sum(-1)  # (B, S)
+            step_loss = (cross_entropy * learned).sum() / learned.sum().clamp(min=1)
+            loss = loss + self.config.step_weight**step * step_loss
+            step_losses.append(step_loss.detach())
+            correct.append(((out["logits"].argmax(-1) == out["target_p"].argmax(-1)) & learned).sum())
+            total.append(out["counted"].sum())
+        return {
+            "loss": loss,
+            "step_losses": torch.stack(step_losses),  # (J,)
+            "correct": torch.stack(correct).float(),  # (J,)
+            "total": torch.stack(total).float(),  # (J,)
+        }
