@@ -20,6 +20,7 @@ from eagle_tap import __version__
 # Modules with an `add_commands(subparsers)` function, each adding the subcommands of one part.
 COMMAND_MODULES: tuple[str, ...] = (
     "collector_service.cli",
+    "client.cli",
     "trainer.cli",
 )
 

@@ -1,0 +1,215 @@
+"""Dataset readers: JSONL, Parquet or a local Hugging Face `datasets` folder -> `Conversation`s.
+
+What must hold:
+- every row read yields exactly one item: a `Conversation` or a `BadRow` naming the source, the
+  1-based line (JSONL) or row (Parquet, datasets) number and what is wrong; a bad row never raises;
+- accepted row shapes: OpenAI `{"messages": [{"role", "content"}, ...]}`, ShareGPT
+  `{"conversations": [{"from", "value"}, ...]}` (a top-level `"system"` string is prepended), and
+  `{"prompt": str, "response"|"completion": str}`; content is a string or a list of text parts;
+- a conversation's `key` is a digest of its normalized messages, so it does not depend on where the
+  row is in the file: a resumed run finds the same key for the same conversation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BadRow", "Conversation", "count_rows", "data_format", "messages_from_row", "read_conversations"]
+
+ROLE_ALIASES: dict[str, str] = {
+    "system": "system",
+    "user": "user", "human": "user",
+    "assistant": "assistant", "gpt": "assistant", "model": "assistant", "chatgpt": "assistant", "bot": "assistant",
+}
+"""Roles and ShareGPT `from` values accepted, and the chat-template role each one becomes."""
+
+
+class BadRowError(ValueError):
+    """A row whose shape is not one of the accepted conversation shapes."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Conversation:
+    """One dataset row as chat messages, with where it came from."""
+
+    messages: tuple[dict[str, str], ...]
+    """`{"role": ..., "content": ...}` dicts (assistant messages may carry `reasoning_content`)."""
+    source: str
+    """File or folder name the row was read from."""
+    line: int
+    """1-based line (JSONL) or row (Parquet, datasets) number."""
+    key: str
+    """Digest of the normalized messages: the sample's stable identity across runs."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BadRow:
+    """A row that was skipped, and why."""
+
+    source: str
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.source}:{self.line}: bad row: {self.reason}"
+
+
+def _content_text(content: object, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts
+        texts = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRowError(f"{where}: only text content parts are supported, got {str(part)[:60]!r}")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise BadRowError(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
+
+
+def _message(entry: object, index: int, role_key: str, content_key: str) -> dict[str, str]:
+    where = f"message {index}"
+    if not isinstance(entry, Mapping):
+        raise BadRowError(f"{where} must be an object, got {type(entry).__name__}")
+    if role_key not in entry or content_key not in entry:
+        raise BadRowError(f"{where} needs {role_key!r} and {content_key!r}, has {sorted(entry)}")
+    raw_role = entry[role_key]
+    role = ROLE_ALIASES.get(raw_role.lower()) if isinstance(raw_role, str) else None
+    if role is None:
+        raise BadRowError(f"{where}: unknown role {raw_role!r}; accepted: {', '.join(ROLE_ALIASES)}")
+    message = {"role": role, "content": _content_text(entry[content_key], where)}
+    reasoning = entry.get("reasoning_content")
+    if role == "assistant" and isinstance(reasoning, str) and reasoning:
+        message["reasoning_content"] = reasoning
+    return message
+
+
+def messages_from_row(row: object) -> list[dict[str, str]]:
+    """The row's messages in chat-template form; raises `BadRowError` saying what is wrong."""
+    if not isinstance(row, Mapping):
+        raise BadRowError(f"a row must be a JSON object, got {type(row).__name__}")
+    if "messages" in row:
+        entries, role_key, content_key = row["messages"], "role", "content"
+    elif "conversations" in row:
+        entries = row["conversations"]
+        first = entries[0] if isinstance(entries, list) and entries else None
+        use_from = isinstance(first, Mapping) and "from" in first
+        role_key, content_key = ("from", "value") if use_from else ("role", "content")
+    elif "prompt" in row:
+        answer = row.get("response", row.get("completion"))
+        entries = [{"role": "user", "content": row["prompt"]}]
+        if answer is not None:
+            entries.append({"role": "assistant", "content": answer})
+        role_key, content_key = "role", "content"
+    else:
+        raise BadRowError(f"no conversation: expected 'messages', 'conversations' or 'prompt', found {sorted(row)[:8]}")
+    if not isinstance(entries, list) or not entries:
+        raise BadRowError("the conversation must be a non-empty list of messages")
+    messages = [_message(entry, index, role_key, content_key) for index, entry in enumerate(entries)]
+    system = row.get("system")
+    if isinstance(system, str) and system and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def conversation_key(messages: list[dict[str, str]]) -> str:
+    """24 hex digits of a digest of the canonical JSON of `messages`."""
+    canonical = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.blake2b(canonical.encode(), digest_size=12).hexdigest()
+
+
+def _item(row: object, source: str, line: int) -> Conversation | BadRow:
+    try:
+        messages = messages_from_row(row)
+    except BadRowError as err:
+        return BadRow(source, line, str(err))
+    return Conversation(tuple(messages), source, line, conversation_key(messages))
+
+
+def _read_jsonl(path: Path) -> Iterator[Conversation | BadRow]:
+    with open(path, "rb") as file:
+        for line_number, raw in enumerate(file, start=1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                yield BadRow(path.name, line_number, f"not valid JSON: {err}")
+                continue
+            yield _item(row, path.name, line_number)
+
+
+def _read_parquet(path: Path) -> Iterator[Conversation | BadRow]:
+    import pyarrow.parquet as pq
+
+    row_number = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            row_number += 1
+            yield _item(row, path.name, row_number)
+
+
+def _load_hf_folder(path: Path, split: str | None) -> Any:
+    import datasets
+
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split is None and len(loaded) == 1:
+            split = next(iter(loaded))
+        if split not in loaded:
+            raise ValueError(f"{path} holds splits {sorted(loaded)}; choose one with --data-split")
+        return loaded[split]
+    return loaded
+
+
+def _read_hf_folder(path: Path, split: str | None) -> Iterator[Conversation | BadRow]:
+    for row_number, row in enumerate(_load_hf_folder(path, split), start=1):
+        yield _item(row, path.name, row_number)
+
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+
+def data_format(path: Path) -> str:
+    """`jsonl`, `parquet` or `datasets` (a save_to_disk folder); ValueError saying what is accepted otherwise."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"no data at {path}")
+    if path.is_dir():
+        return "datasets"
+    if path.suffix == ".parquet":
+        return "parquet"
+    if path.suffix in JSONL_SUFFIXES:
+        return "jsonl"
+    raise ValueError(f"unknown data format {path.name!r}; accepted: {', '.join(JSONL_SUFFIXES)} (one JSON object "
+                     "a line), .parquet, or a datasets save_to_disk folder")
+
+
+def read_conversations(path: Path, *, split: str | None = None) -> Iterator[Conversation | BadRow]:
+    """Rows of `path` (JSON lines, Parquet, or a `save_to_disk` folder), in file order."""
+    path = Path(path)
+    kind = data_format(path)
+    if kind == "datasets":
+        return _read_hf_folder(path, split)
+    if kind == "parquet":
+        return _read_parquet(path)
+    return _read_jsonl(path)
+
+
+def count_rows(path: Path, *, split: str | None = None) -> int:
+    """How many rows `read_conversations` will yield (for the progress bar); cheap for every format."""
+    path = Path(path)
+    kind = data_format(path)
+    if kind == "datasets":
+        return len(_load_hf_folder(path, split))
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    with open(path, "rb") as file:
+        return sum(1 for raw in file if raw.strip())
