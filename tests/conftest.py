@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from eagle_tap.collector_process import CollectorProcess
+from eagle_tap.sglang_server import ServerConfig, SGLangServer
 
 
 def _cuda_available() -> bool:
@@ -35,14 +36,12 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def start_sglang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., "SGLangServer"]]:
+def start_sglang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., SGLangServer]]:
     """Factory: `start_sglang(model_path, extra_args=(...), env={...})` -> a healthy server, stopped after the module.
 
     Within a module, servers are shared per (model, args, env), since each start costs 15-40 s on 2 cores;
     each holds about 2 GB, so none outlives its module.
     """
-    from eagle_tap.sglang_server import ServerConfig, SGLangServer
-
     servers: dict[tuple, SGLangServer] = {}
 
     def start(model_path: Path, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> SGLangServer:
@@ -80,3 +79,20 @@ def start_collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callab
     finally:
         for collector in started:
             collector.stop()
+
+
+@pytest.fixture(scope="module")
+def collector(tmp_path_factory):
+    """A real collector on loopback, shared by the tests of one module."""
+    process = CollectorProcess(tmp_path_factory.mktemp("collector") / "data")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def capture_server(start_sglang, tiny_model_dir, collector, tmp_path_factory):
+    """(server, spool dir): the tiny model served with the capture plugin shipping to `collector`."""
+    spool_dir = tmp_path_factory.mktemp("spool")
+    server = start_sglang(tiny_model_dir, env={"EAGLE_TAP_COLLECTOR_URL": collector.url,
+                                               "EAGLE_TAP_SPOOL_DIR": str(spool_dir)})
+    return server, spool_dir

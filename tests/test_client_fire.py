@@ -18,13 +18,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from capture_format import decode_frame
 from client.conversations import Conversation, read_conversations
 from client.frequencies import read_frequencies
 from client.manifest import Manifest
 from client.spans import ChatTokenizer
+from capture_helpers import stored_record
 from eagle_tap.cli import main
-from eagle_tap.collector_process import CollectorProcess
 
 pytestmark = pytest.mark.sglang
 
@@ -35,17 +34,8 @@ NUM_SMALL = 6
 
 
 @pytest.fixture(scope="module")
-def collector(tmp_path_factory):
-    process = CollectorProcess(tmp_path_factory.mktemp("client-collector") / "data")
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def server(start_sglang, tiny_model_dir, collector, tmp_path_factory):
-    spool_dir = tmp_path_factory.mktemp("client-spool")
-    return start_sglang(tiny_model_dir, env={"EAGLE_TAP_COLLECTOR_URL": collector.url,
-                                             "EAGLE_TAP_SPOOL_DIR": str(spool_dir)})
+def server(capture_server):
+    return capture_server[0]
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +51,6 @@ def get_json(url: str) -> dict | None:
         if error.code == 404:
             return None
         raise
-
-
-def stored_record(collector: CollectorProcess, record_id: str):
-    """The record as the collector stored it, read back from its shard and verified."""
-    location = get_json(f"{collector.url}/v1/records/{record_id}")
-    assert location is not None, f"record {record_id} is not stored"
-    shard_path = next(path for path in collector.data_dir.iterdir() if path.name.startswith(location["shard"]))
-    with open(shard_path, "rb") as shard:
-        shard.seek(location["offset"])
-        return decode_frame(shard.read(location["frame_nbytes"]))
 
 
 def fire_argv(server, collector, data: Path, run_dir: Path, *extra: str) -> list[str]:

@@ -7,102 +7,26 @@ transformers' `hidden_states` for the tiny model (aux and final, within bf16 tol
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import time
-import urllib.error
-import urllib.request
-import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from capture_format import decode_frame, float32_from_bfloat16_bits
-from capture_format.tag import CaptureTag
-from eagle_tap.collector_process import CollectorProcess
+from capture_helpers import (
+    aux_as_float,
+    collector_stats,
+    final_as_float,
+    generate,
+    read_stats,
+    relative_error,
+    stored_record,
+    wait_for,
+)
 
 pytestmark = pytest.mark.sglang
 
 CAPTURE_LAYERS = (3, 5, 6)  # the default [3, L//2 + 1, L - 2] for the 8-layer tiny model
 BF16_REL_TOL = 0.03
-
-
-def post_json(url: str, payload: dict, timeout_s: float = 120) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        return json.loads(response.read())
-
-
-def generate(server, input_ids: list[int], *, record_id: str | None = None, spans=None, max_new_tokens: int = 1,
-             cache_salt: str | None = "fresh", return_hidden_states: bool = False) -> dict:
-    sampling_params: dict = {"max_new_tokens": max_new_tokens, "temperature": 0}
-    payload: dict = {"input_ids": input_ids, "sampling_params": sampling_params}
-    if record_id is not None:
-        tag = CaptureTag(record_id=record_id, sample_id=f"sample-{record_id}", loss_spans=spans or ((0, len(input_ids)),),
-                         metadata={"test": True})
-        sampling_params["custom_params"] = tag.to_custom_params()
-    if cache_salt is not None:
-        payload["cache_salt"] = uuid.uuid4().hex if cache_salt == "fresh" else cache_salt
-    if return_hidden_states:
-        payload["return_hidden_states"] = True
-    return post_json(f"{server.url}/generate", payload)
-
-
-def read_stats(spool_dir: Path) -> dict:
-    path = spool_dir / "dp0" / "stats.json"
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def wait_for(predicate, timeout_s: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def locate(collector: CollectorProcess, record_id: str, timeout_s: float = 60.0) -> dict:
-    """The collector's answer to GET /v1/records/{id}, once it has the record."""
-    def lookup():
-        try:
-            with urllib.request.urlopen(f"{collector.url}/v1/records/{record_id}", timeout=10) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as error:
-            if error.code == 404:
-                return None
-            raise
-
-    return wait_for(lookup, timeout_s, f"record {record_id} at the collector")
-
-
-def stored_record(collector: CollectorProcess, record_id: str, timeout_s: float = 60.0):
-    """The record as the collector stored it, read back from its shard and fully verified."""
-    location = locate(collector, record_id, timeout_s)
-    shard_path = next(path for path in collector.data_dir.iterdir() if path.name.startswith(location["shard"]))
-    with open(shard_path, "rb") as shard:
-        shard.seek(location["offset"])
-        frame = shard.read(location["frame_nbytes"])
-    return decode_frame(frame)
-
-
-def collector_stats(collector: CollectorProcess) -> dict:
-    with urllib.request.urlopen(f"{collector.url}/v1/stats", timeout=10) as response:
-        return json.loads(response.read())
-
-
-def aux_as_float(record) -> np.ndarray:
-    return float32_from_bfloat16_bits(np.asarray(record.aux))  # (T, K, H)
-
-
-def final_as_float(record) -> np.ndarray:
-    return float32_from_bfloat16_bits(np.asarray(record.final))  # (T, H)
-
-
-def relative_error(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12))
 
 
 @pytest.fixture(scope="module")
@@ -119,21 +43,6 @@ def hf_states(hf_model, input_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     hidden = out.hidden_states  # hidden[i] = input of decoder layer i; hidden[-1] = after the final norm
     aux = torch.stack([hidden[layer][0] for layer in CAPTURE_LAYERS], dim=1)
     return aux.float().numpy(), hidden[-1][0].float().numpy()
-
-
-@pytest.fixture(scope="module")
-def collector(tmp_path_factory):
-    process = CollectorProcess(tmp_path_factory.mktemp("collector") / "data")
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def capture_server(start_sglang, tiny_model_dir, collector, tmp_path_factory):
-    spool_dir = tmp_path_factory.mktemp("spool")
-    server = start_sglang(tiny_model_dir, env={"EAGLE_TAP_COLLECTOR_URL": collector.url,
-                                               "EAGLE_TAP_SPOOL_DIR": str(spool_dir)})
-    return server, spool_dir
 
 
 def prompt_ids(tokenizer, index: int, num_tokens: int) -> list[int]:

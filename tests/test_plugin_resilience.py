@@ -9,7 +9,8 @@ import pytest
 
 from eagle_tap.sglang_server import free_port
 from sglang_patch.settings import load_settings
-from test_plugin_capture import generate, locate, prompt_ids, read_stats, stored_record, wait_for
+from capture_helpers import generate, locate, read_stats, stored_record, wait_for
+from test_plugin_capture import prompt_ids
 
 pytestmark = pytest.mark.sglang
 
