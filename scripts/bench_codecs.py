@@ -2,6 +2,7 @@
 
     python scripts/bench_codecs.py                       # 64 MiB of Gaussian residual-like states
     python scripts/bench_codecs.py --states states.npy   # uint16 bf16 bit patterns, e.g. real captures
+    python scripts/bench_codecs.py --tiny-model-tokens 65536   # states of the bundled tiny target model
 
 Ratio is raw bytes / stored bytes; MB/s is raw megabytes (10**6 bytes) per second, best of
 --repeats runs. The "frame" rows time encode_frame / decode_frame on a record built from the same
@@ -42,6 +43,35 @@ def residual_like_states(num_bytes: int, hidden_size: int, seed: int) -> np.ndar
     return bfloat16_bits_from_float32(values)
 
 
+def tiny_model_states(num_tokens: int) -> np.ndarray:
+    """bf16 bits [T, 4, H]: the tiny model's states at its default capture layers plus the final state,
+    computed with HF transformers over Python standard-library sources (what the plugin captures)."""
+    import sysconfig
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from capture_format import default_capture_layers
+    from eagle_tap.tiny_model import TINY_MODEL_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, dtype=torch.bfloat16).eval()
+    layers = default_capture_layers(model.config.num_hidden_layers)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    ids: list[int] = []
+    for source in sorted(stdlib.glob("*.py")):
+        ids += tokenizer(source.read_text(errors="replace"), add_special_tokens=False)["input_ids"]
+        if len(ids) >= num_tokens:
+            break
+    chunks = []
+    with torch.no_grad():
+        for start in range(0, num_tokens, 1024):
+            hidden = model(torch.tensor([ids[start:start + 1024]]), output_hidden_states=True).hidden_states
+            chunks.append(torch.stack([hidden[layer][0] for layer in layers] + [hidden[-1][0]], dim=1))
+    states = torch.cat(chunks)  # (T, 4, H) bf16
+    return states.view(torch.int16).numpy().view(np.uint16)
+
+
 def best_seconds(function: Callable[[], object], repeats: int) -> tuple[float, object]:
     best = float("inf")
     for _ in range(repeats):
@@ -73,13 +103,18 @@ def record_from_states(states: np.ndarray) -> CaptureRecord:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--states", type=Path, help="a .npy of uint16 bfloat16 bit patterns (any shape, last dim = H)")
+    parser.add_argument("--tiny-model-tokens", type=int, help="use this many tokens of the tiny model's states")
     parser.add_argument("--mib", type=int, default=64, help="size of generated data when --states is not given")
     parser.add_argument("--hidden-size", type=int, default=4096, help="H of generated data")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    if args.states is not None:
+    if args.tiny_model_tokens:
+        states = tiny_model_states(args.tiny_model_tokens)
+        source = f"tiny model states (3 capture layers + final), {states.shape}"
+        states = np.ascontiguousarray(states.reshape(-1, states.shape[-1]))
+    elif args.states is not None:
         states = np.load(args.states)
         if states.dtype != np.uint16:
             parser.error(f"{args.states} holds {states.dtype}; expected uint16 bfloat16 bit patterns")
