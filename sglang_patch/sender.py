@@ -39,6 +39,7 @@ _STATE_DTYPES = {
 }
 _RETRY_STATUS = {408, 429, 507}
 _MAX_BACKOFF_S = 10.0
+_LOG_EVERY_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,6 +93,8 @@ class Sender:
         self._retry_at = 0.0
         self._backoff_s = 0.5
         self._stats_written_at = 0.0
+        self._logged_summary = ""
+        self._logged_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="eagle-tap-sender", daemon=True)
         self._thread.start()
 
@@ -118,6 +121,7 @@ class Sender:
         self._thread.join(timeout_s)
         self._client.close()
         self._stats.write(self.stats_path)
+        logger.info(self._stats.summary())
 
     def _run(self) -> None:
         while True:
@@ -201,3 +205,9 @@ class Sender:
             with self._condition:
                 self._stats.set("inflight_bytes", self._inflight_bytes)
             self._stats.write(self.stats_path)
+        if now - self._logged_at >= _LOG_EVERY_S:
+            self._logged_at = now
+            summary = self._stats.summary()
+            if summary != self._logged_summary:  # an idle server's log stays quiet
+                self._logged_summary = summary
+                logger.info(summary)

@@ -49,6 +49,14 @@ class CaptureStats:
                 "dropped": dict(sorted(self._dropped.items())),
             }
 
+    def summary(self) -> str:
+        """One log line: what was captured, where it went, and what was dropped why."""
+        snapshot = self.snapshot()
+        counts = " ".join(f"{name}={snapshot.get(name, 0)}" for name in (
+            "captured", "captured_tokens", "sent", "duplicates", "spooled", "resent_from_spool", "spool_frames",
+            "bytes_raw", "bytes_stored"))
+        return f"eagle-tap capture [{snapshot['status']}]: {counts} dropped={snapshot['dropped']}"
+
     def write(self, path: Path) -> None:
         """Replace `path` with the current snapshot (temp file + rename, so readers never see half)."""
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -135,3 +135,14 @@ def test_sampling_is_deterministic_and_close_to_the_rate():
     assert kept == [record_id for record_id in ids if is_sampled(record_id, 0.25)]
     assert all(is_sampled(record_id, 1.0) for record_id in ids[:10])
     assert not any(is_sampled(record_id, 0.0) for record_id in ids[:100])
+
+
+def test_stats_summary_names_counts_and_drop_reasons():
+    stats = CaptureStats()
+    stats.status = "capturing"
+    stats.add("captured", 3)
+    stats.add("sent", 2)
+    stats.drop("spool_full")
+    line = stats.summary()
+    assert line.startswith("eagle-tap capture [capturing]:")
+    assert "captured=3" in line and "sent=2" in line and "spooled=0" in line and "'spool_full': 1" in line
