@@ -26,6 +26,9 @@ COMMAND_MODULES: tuple[str, ...] = (
 
 
 def _interrupt(signum: int, frame: object) -> None:
+    # Ignore a second Ctrl-C or TERM (e.g. `timeout` forwarding one more): it must not cut the stop short.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
@@ -45,6 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"starting SGLang for {config.model_path} on {server.url} (log: {server.log_path or 'temp file'})", flush=True)
     with server:
         print(f"serving at {server.url}; Ctrl-C stops it and every process it started", flush=True)
+        signal.signal(signal.SIGINT, _interrupt)
         signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as cleanly as Ctrl-C
         try:
             while True:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import urllib.request
 
 import psutil
@@ -116,3 +118,28 @@ def test_stand_ins_import_but_raise_a_clear_error_when_called(statement):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("RAISED "), result.stdout
     assert "import-only CPU stand-in" in result.stdout
+
+
+def test_serve_command_stops_every_process_even_when_signalled_twice(tmp_path):
+    from eagle_tap.sglang_server import free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "eagle_tap.cli", "serve", "--port", str(port), "--log", str(tmp_path / "server.log")]
+    serve = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in serve.stdout:
+            if line.startswith("serving at"):
+                break
+        else:
+            pytest.fail(f"eagle-tap serve exited before serving: {serve.wait()}")
+        tree = psutil.Process(serve.pid).children(recursive=True)
+        assert any("sglang" in " ".join(proc.cmdline()) for proc in tree)
+        serve.send_signal(signal.SIGTERM)
+        time.sleep(1.0)  # the stop is under way (SGLang takes seconds to exit)
+        serve.send_signal(signal.SIGTERM)  # e.g. `timeout` forwarding one more: the stop must still finish
+        assert serve.wait(timeout=60) == 0
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    survivors = [proc.pid for proc in tree if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE]
+    assert survivors == [], f"processes left after `eagle-tap serve` stopped: {survivors}"
