@@ -1,4 +1,4 @@
-"""Subcommands of the trainer: `draft-config`, `vocab` and `train`.
+"""Subcommands of the trainer: `draft-config`, `vocab`, `train`, `eval` and `export`.
 
 Imports nothing heavy at module level: torch, transformers and matplotlib load when a command runs.
 A bad setting or a mismatch between target, mapping and captures ends the command with its message
@@ -91,6 +91,32 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+@_reporting_errors
+def _eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from trainer.evaluate import evaluate, format_table, write_result
+    from trainer.export import resolve_checkpoint
+
+    result = evaluate(args.checkpoint, args.shards, max_records=args.max_records, batch_size=args.batch_size,
+                      max_length=args.max_length)
+    out = Path(args.out) if args.out else resolve_checkpoint(args.checkpoint)[0].parent / "eval"
+    path = write_result(result, out)
+    print(format_table(result))
+    print(f"wrote {path} and {out / 'acceptance.png'} ({result['num_records']} records, "
+          f"{result['num_start_positions']} start positions)")
+    return 0
+
+
+@_reporting_errors
+def _export(args: argparse.Namespace) -> int:
+    from trainer.export import export
+
+    out = export(args.checkpoint, args.out, eval_result=args.eval_result)
+    print(f"wrote {out}: config.json, model.safetensors, README.md")
+    return 0
+
+
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     draft = subparsers.add_parser(
         "draft-config", help="write an EAGLE-3 draft config.json derived from the target's config",
@@ -135,3 +161,27 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--resume-from", metavar="CHECKPOINT", help="continue from this checkpoint directory")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config settings")
     train.set_defaults(run=_train)
+
+    evaluation = subparsers.add_parser(
+        "eval", help="offline evaluation: TTT accuracy and simulated acceptance length against two baselines",
+        description="On held-out shards: per-step top-1 accuracy of the TTT unroll and the simulated greedy "
+        "acceptance length of chain drafting k = 1..7, for the trained draft, an untrained draft (same "
+        "initialisation) and a unigram draft. Prints a table; writes eval.json and acceptance.png.",
+    )
+    evaluation.add_argument("--checkpoint", required=True, help="a training run's out_dir (or its final/ folder)")
+    evaluation.add_argument("--shards", required=True, help="held-out capture shard directory")
+    evaluation.add_argument("--out", help="directory for eval.json and acceptance.png (default: <run>/eval)")
+    evaluation.add_argument("--max-records", type=int, help="evaluate at most about this many records")
+    evaluation.add_argument("--batch-size", type=int, default=8, help="records per batch")
+    evaluation.add_argument("--max-length", type=int, default=2048, help="positions per record (longer ones are cut)")
+    evaluation.set_defaults(run=_eval)
+
+    export = subparsers.add_parser(
+        "export", help="write a folder SGLang serves with --speculative-algorithm EAGLE3",
+        description="Write config.json (with SGLang's aux layer ids), model.safetensors (draft weights, d2t, t2d; "
+        "no embedding) and a README.md model card into a new folder, atomically.",
+    )
+    export.add_argument("--checkpoint", required=True, help="a training run's out_dir (or its final/ folder)")
+    export.add_argument("--out", required=True, help="folder to create")
+    export.add_argument("--eval-result", help="eval.json of `eagle-tap eval`, for the model card's table")
+    export.set_defaults(run=_export)

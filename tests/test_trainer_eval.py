@@ -1,0 +1,81 @@
+"""Offline evaluation: the acceptance simulation on known answers, the chain's inputs, and a run against baselines."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from eagle_tap.cli import main
+from trainer import evaluate
+
+sys.path.insert(0, str(Path(__file__).parent))
+import trainer_data  # noqa: E402
+from test_trainer_export import trained_run  # noqa: E402
+
+
+def test_acceptance_length_on_a_hand_made_case() -> None:
+    matches = torch.tensor([
+        [1, 1, 0, 1],  # accepts 2, then the third proposal fails: the fourth never counts
+        [0, 1, 1, 1],  # the first proposal fails: nothing accepted
+        [1, 1, 1, 1],  # all accepted
+        [1, 1, 1, 1],  # not a start row (outside the loss mask)
+    ], dtype=torch.bool)
+    counted = torch.tensor([True, True, True, False])
+    lengths = evaluate.acceptance_lengths(matches, counted)
+    # k=1: (2 + 1 + 2) / 3; k=2: (3 + 1 + 3) / 3; k=3: (3 + 1 + 4) / 3; k=4: (3 + 1 + 5) / 3
+    torch.testing.assert_close(torch.tensor(lengths), torch.tensor([5 / 3, 7 / 3, 8 / 3, 3.0]))
+
+
+def test_target_argmax_of_later_steps_stays_inside_the_record() -> None:
+    argmax = torch.tensor([[10, 11, 12, 20, 21]])
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1]])
+    wanted = evaluate.shifted_target_argmax(argmax, doc_ids, 3)
+    assert wanted[0].tolist() == [[10, 11, 12], [11, 12, -1], [12, -1, -1], [20, 21, -1], [21, -1, -1]]
+
+
+def test_the_chain_feeds_the_drafts_own_proposals() -> None:
+    # Where the draft's first proposal is the real next token, its second proposal must be the TTT unroll's
+    # (teacher-forced) step-1 guess; step 0 is the unroll's step 0 everywhere.
+    from trainer import data
+
+    trained, _, _ = evaluate.load_drafts(trained_run())
+    trained.config.ttt_steps = 2
+    dataset = data.ShardDataset(data.Config(shards=str(trainer_data.prepared_inputs()["heldout_shards"]),
+                                            batch_size=4, max_length=128, shuffle=False), num_epochs=1)
+    batch = next(iter(data.make_loader(dataset)))
+    hot_ids = torch.arange(trained.draft.d2t.numel()) + trained.draft.d2t
+    with torch.no_grad():
+        proposals = evaluate.chain_proposals(trained.draft, batch, 2)  # (B, S, 2)
+        unrolled = [hot_ids[out["logits"].argmax(-1)] for out in trained.unroll(batch)]  # (B, S) per step
+    assert torch.equal(proposals[..., 0], unrolled[0])
+    real_next = torch.cat([batch["input_ids"][:, 1:], torch.full_like(batch["input_ids"][:, :1], -1)], dim=1)
+    same = (proposals[..., 0] == real_next) & (batch["doc_ids"] >= 0)
+    assert same.sum() > 20
+    assert torch.equal(proposals[..., 1][same], unrolled[1][same])
+
+
+def test_eval_against_baselines_and_the_model_card(tmp_path: Path) -> None:
+    run = trained_run()
+    heldout = trainer_data.prepared_inputs()["heldout_shards"]
+    assert main(["eval", "--checkpoint", str(run), "--shards", str(heldout), "--out", str(tmp_path / "eval"),
+                 "--max-length", "256"]) == 0
+    result = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert (tmp_path / "eval" / "acceptance.png").stat().st_size > 1000
+    assert result["num_records"] == 16 and result["chain_lengths"] == [1, 2, 3, 4, 5, 6, 7]
+    drafts = result["drafts"]
+    assert set(drafts) == {"draft", "untrained", "unigram"}
+    for values in drafts.values():
+        lengths = values["acceptance_length"]
+        assert all(1.0 <= a <= b <= a + 1 for a, b in zip(lengths, lengths[1:]))  # never shrinks, +1 at most per k
+        assert len(values["step_accuracy"]) == 7
+    # Step-0 acceptance equals 1 + step-0 accuracy's hits (same rows, same argmax).
+    assert abs(drafts["draft"]["acceptance_length"][0] - 1 - drafts["draft"]["step_accuracy"][0]) < 1e-6
+    assert drafts["draft"]["acceptance_length"][-1] > drafts["untrained"]["acceptance_length"][-1] + 0.1
+    assert drafts["draft"]["acceptance_length"][-1] > drafts["unigram"]["acceptance_length"][-1] + 0.1
+    assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "draft"),
+                 "--eval-result", str(tmp_path / "eval" / "eval.json")]) == 0
+    card = (tmp_path / "draft" / "README.md").read_text()
+    assert "acceptance length k=7" in card and "unigram" in card

@@ -1,0 +1,184 @@
+"""`eagle-tap eval`: offline evaluation of a trained draft on held-out capture shards.
+
+Two measures, each for the trained draft and two baselines on the same records (an untrained
+draft with the run's own initialisation, and a unigram draft that always proposes the most
+frequent loss-masked training token):
+- per-step top-1 accuracy of the TTT unroll (trainer/ttt.py: teacher-forced input tokens, the
+  draft's own hidden states), as training reports it;
+- simulated greedy acceptance length of chain drafting k = 1..7 tokens. From start row r (inside
+  the record and the loss mask) the draft runs autoregressively: step 0 reads the target's states
+  at r and the real next token, step i > 0 reads its own hidden state and its own proposal of step
+  i-1. Proposal i is accepted when proposals 0..i all equal the target's argmax at their positions
+  (argmax of lm_head(final) over the full target vocab; a proposal past the record's end is
+  rejected). Acceptance length(k) = 1 + accepted among the first k, averaged over start rows.
+  The target's argmax comes from states captured on the record's own text, so where the text is
+  not the target's greedy continuation this approximates what serving would verify.
+
+Shape legend: B rows, S positions, J draft steps, V target vocab, D draft vocab.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer import data, ttt
+from trainer.model import Eagle3Draft, causal_mask
+
+MAX_CHAIN = 7
+
+
+def acceptance_lengths(matches: torch.Tensor, counted: torch.Tensor) -> list[float]:
+    """matches (N, J) bool: proposal j equals the target's argmax; counted (N,) bool: start rows to average.
+    Returns, for k = 1..J, the mean of 1 + (number of leading matches among the first k)."""
+    accepted_prefix = matches.long().cumprod(dim=1)[counted]  # (n, J): 1 while every proposal so far matched
+    if accepted_prefix.shape[0] == 0:
+        return [float("nan")] * matches.shape[1]
+    return (1 + accepted_prefix.cumsum(dim=1).float().mean(0)).tolist()
+
+
+def shifted_target_argmax(target_argmax: torch.Tensor, doc_ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """(B, S, J): the target's argmax at row r + j of the same record, -1 past it."""
+    same_record = [ttt.shift_rows(doc_ids, j, -2) == doc_ids for j in range(steps)]
+    return torch.stack([torch.where(same, ttt.shift_rows(target_argmax, j, -1), -1)
+                        for j, same in enumerate(same_record)], dim=-1)
+
+
+@torch.no_grad()
+def chain_proposals(draft: Eagle3Draft, batch: dict[str, Any], steps: int) -> torch.Tensor:
+    """(B, S, J) target ids the draft proposes autoregressively from every start row."""
+    mask = causal_mask(batch["doc_ids"])  # (B, 1, S, S)
+    hidden = draft.fc(batch["aux"].to(draft.fc.weight.dtype))  # (B, S, H)
+    step_ids, cache, proposals = batch["input_ids"], [], []
+    hot_ids = torch.arange(draft.d2t.numel()) + draft.d2t  # (D,): target id of each draft id
+    for step in range(steps):
+        hidden, logits = draft(hidden, step_ids, batch["position_ids"] + step, mask, cache)  # (B,S,H), (B,S,D)
+        step_ids = hot_ids[logits.argmax(-1)]  # (B, S): the next step reads this step's own proposal
+        proposals.append(step_ids)
+    return torch.stack(proposals, dim=-1)  # (B, S, J)
+
+
+class Counts:
+    """Sums over batches for one draft: TTT accuracy counts and acceptance matches."""
+
+    def __init__(self, steps: int) -> None:
+        self.correct = torch.zeros(steps)
+        self.total = torch.zeros(steps)
+        self.matches: list[torch.Tensor] = []
+
+    def result(self) -> dict[str, Any]:
+        matches = torch.cat(self.matches)  # (N, J)
+        return {"step_accuracy": (self.correct / self.total.clamp(min=1)).tolist(),
+                "acceptance_length": acceptance_lengths(matches, torch.ones(len(matches), dtype=torch.bool))}
+
+
+def load_drafts(checkpoint: str | Path) -> tuple[ttt.Eagle3Objective, ttt.Eagle3Objective, dict[str, Any]]:
+    """(trained objective, untrained objective with the run's initialisation, the run's config dict)."""
+    from safetensors.torch import load_file
+
+    from trainer.config_io import config_from_dict
+    from trainer.distributed import Runtime
+    from trainer.export import resolve_checkpoint
+    from trainer.train import Config, build_objective
+
+    final, run_config_path = resolve_checkpoint(checkpoint)
+    if run_config_path is None:
+        raise ValueError(f"no training config.json next to {final}: eval needs the run's target, vocab and seed")
+    run_dict = json.loads(run_config_path.read_text(encoding="utf-8"))
+    config = config_from_dict(Config, run_dict)
+    runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    untrained, _, _ = build_objective(config, runtime)
+    trained, _, _ = build_objective(config, runtime)
+    weights = load_file(final / "model.safetensors")
+    trained.draft.load_state_dict({**weights, "embed_tokens.weight": trained.draft.embed_tokens.weight})
+    return trained.eval(), untrained.eval(), run_dict
+
+
+def most_frequent_token(vocab_dir: str | Path, vocab_size: int) -> int:
+    from trainer.vocab import load_frequency_file
+
+    return int(np.argmax(load_frequency_file(Path(vocab_dir) / "token_frequencies.json", vocab_size)))
+
+
+@torch.no_grad()
+def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | None = None,
+             batch_size: int = 8, max_length: int = 2048, steps: int = MAX_CHAIN) -> dict[str, Any]:
+    """Accuracy per TTT step and acceptance length by k for the draft and the two baselines."""
+    trained, untrained, run_dict = load_drafts(checkpoint)
+    trained.config.ttt_steps = untrained.config.ttt_steps = steps
+    vocab_size = trained.draft.config.vocab_size
+    unigram = most_frequent_token(run_dict["vocab"], vocab_size)
+    draft_json = json.loads(Path(run_dict["draft_config"]).read_text(encoding="utf-8"))
+    expected = {"capture_layers": draft_json["eagle_tap"]["capture_layers"],
+                "hidden_size": trained.draft.config.target_hidden_size}
+    dataset = data.ShardDataset(data.Config(shards=str(shards), batch_size=batch_size, max_length=max_length,
+                                            shuffle=False), num_epochs=1, equal_per_rank=False, **expected)
+    counts = {"draft": Counts(steps), "untrained": Counts(steps), "unigram": Counts(steps)}
+    num_records = 0
+    for batch in data.make_loader(dataset):
+        if max_records is not None and num_records >= max_records:
+            break
+        num_records += len(batch["record_ids"])
+        counted = batch["loss_mask"] & (batch["doc_ids"] >= 0)  # (B, S): start rows
+        target_argmax = (batch["final"].float() @ trained.target_lm_head.float().T).argmax(-1)  # (B, S)
+        wanted = shifted_target_argmax(target_argmax, batch["doc_ids"], steps)[counted]  # (N, J)
+        for name, objective in (("draft", trained), ("untrained", untrained)):
+            out = objective(batch)
+            counts[name].correct += out["correct"]
+            counts[name].total += out["total"]
+            counts[name].matches.append(chain_proposals(objective.draft, batch, steps)[counted] == wanted)
+        unigram_hits = (wanted == unigram)  # (N, J)
+        counts["unigram"].matches.append(unigram_hits)
+        for step in range(steps):  # the unigram draft's TTT accuracy: share of counted rows of step i it hits
+            in_record = ttt.shift_rows(batch["doc_ids"], step, -2) == batch["doc_ids"]  # (B, S)
+            rows = ttt.shift_rows(counted, step, False) & in_record  # (B, S)
+            counts["unigram"].correct[step] += (rows & (ttt.shift_rows(target_argmax, step, -1) == unigram)).sum()
+            counts["unigram"].total[step] += rows.sum()
+    if num_records == 0:
+        raise ValueError(f"{shards} holds no record to evaluate")
+    drafts = {name: count.result() for name, count in counts.items()}
+    return {"checkpoint": str(checkpoint), "shards": str(shards), "num_records": num_records,
+            "num_start_positions": int(torch.cat(counts["draft"].matches).shape[0]), "chain_lengths":
+            list(range(1, steps + 1)), "unigram_token_id": unigram, "drafts": drafts}
+
+
+def format_table(result: dict[str, Any]) -> str:
+    names = list(result["drafts"])
+    header = f"{'':<22}" + "".join(f"{name:>11}" for name in names)
+    lines = [header]
+    for step in range(len(result["chain_lengths"])):
+        lines.append(f"{f'TTT step {step} accuracy':<22}"
+                     + "".join(f"{result['drafts'][name]['step_accuracy'][step]:>11.3f}" for name in names))
+    for index, k in enumerate(result["chain_lengths"]):
+        lines.append(f"{f'acceptance length k={k}':<22}"
+                     + "".join(f"{result['drafts'][name]['acceptance_length'][index]:>11.3f}" for name in names))
+    return "\n".join(lines)
+
+
+def plot_acceptance(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for name, values in result["drafts"].items():
+        axes.plot(result["chain_lengths"], values["acceptance_length"], marker="o", label=name)
+    axes.set(xlabel="draft chain length k", ylabel="simulated acceptance length", title="Greedy acceptance (offline)")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def write_result(result: dict[str, Any], out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    plot_acceptance(result, out / "acceptance.png")
+    return out / "eval.json"

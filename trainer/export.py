@@ -1,0 +1,163 @@
+"""`eagle-tap export`: a trained draft as a folder SGLang serves with `--speculative-algorithm EAGLE3`.
+
+The folder holds:
+- config.json: the draft config (architectures ["LlamaForCausalLMEagle3"], one layer, the target's
+  vocab_size, draft_vocab_size, tie_word_embeddings false, hidden/intermediate sizes, heads, head
+  dim, norm eps, rope, max positions, torch_dtype) with `eagle_config.eagle_aux_hidden_state_layer_ids`
+  recomputed from the capture layers by capture_format.layers for the target's architecture;
+- model.safetensors: the draft's weights under the names `LlamaForCausalLMEagle3.load_weights`
+  reads, matrices and norms in torch_dtype, plus d2t (int64 offsets, read as hot token ids) and t2d
+  (bool, skipped by SGLang); no embed_tokens (SGLang shares the target's embedding);
+- README.md: a model card (training data, capture layers, vocab coverage, offline acceptance).
+
+What must hold: nothing is written unless every required tensor is present with the shape the
+config implies (a ValueError names the tensor); the folder appears whole or not at all (written
+in a temporary folder next to it, then renamed).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_checkpoint(checkpoint: str | Path) -> tuple[Path, Path | None]:
+    """(folder with model.safetensors + draft config.json, the training run's config.json or None).
+
+    Accepts a run's out_dir (uses out_dir/final) or its final/ folder itself."""
+    path = Path(checkpoint)
+    final = path / "final" if (path / "final" / "model.safetensors").is_file() else path
+    if not (final / "model.safetensors").is_file() or not (final / "config.json").is_file():
+        raise ValueError(f"{checkpoint} holds no trained draft: expected model.safetensors and config.json in it "
+                         f"or in {path / 'final'} (what `eagle-tap train` writes at the end of a run)")
+    run_config = final.parent / "config.json"
+    return final, run_config if run_config.is_file() else None
+
+
+def required_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor SGLang's LlamaForCausalLMEagle3 needs from the folder, with its shape."""
+    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim, intermediate = config["head_dim"], config["intermediate_size"]
+    num_aux = len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    layer = "midlayer"
+    return {
+        "fc.weight": (hidden, num_aux * config.get("target_hidden_size", hidden)),
+        f"{layer}.hidden_norm.weight": (hidden,),
+        f"{layer}.input_layernorm.weight": (hidden,),
+        f"{layer}.self_attn.q_proj.weight": (heads * head_dim, 2 * hidden),
+        f"{layer}.self_attn.k_proj.weight": (kv_heads * head_dim, 2 * hidden),
+        f"{layer}.self_attn.v_proj.weight": (kv_heads * head_dim, 2 * hidden),
+        f"{layer}.self_attn.o_proj.weight": (hidden, heads * head_dim),
+        f"{layer}.post_attention_layernorm.weight": (hidden,),
+        f"{layer}.mlp.gate_proj.weight": (intermediate, hidden),
+        f"{layer}.mlp.up_proj.weight": (intermediate, hidden),
+        f"{layer}.mlp.down_proj.weight": (hidden, intermediate),
+        "norm.weight": (hidden,),
+        "lm_head.weight": (config["draft_vocab_size"], hidden),
+        "d2t": (config["draft_vocab_size"],),
+        "t2d": (config["vocab_size"],),
+    }
+
+
+def export_config(draft: dict[str, Any]) -> dict[str, Any]:
+    """The served config: the draft config with SGLang's aux layer ids recomputed for the target."""
+    from capture_format.layers import capture_layers_to_sglang_ids
+
+    tap = draft.get("eagle_tap")
+    if not tap:
+        raise ValueError("the draft config lacks its `eagle_tap` section (capture layers, target architecture); "
+                         "write it with `eagle-tap draft-config`")
+    layer_ids = capture_layers_to_sglang_ids(tap["target_architecture"], tap["capture_layers"],
+                                             tap["target_num_hidden_layers"])
+    config = dict(draft)
+    config.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, tie_word_embeddings=False,
+                  num_aux_hidden_states=len(layer_ids))
+    config["eagle_config"] = {**(draft.get("eagle_config") or {}), "eagle_aux_hidden_state_layer_ids": layer_ids,
+                              "use_aux_hidden_state": True}
+    config.setdefault("torch_dtype", "bfloat16")
+    if config["torch_dtype"] not in EXPORT_DTYPES:
+        raise ValueError(f"torch_dtype {config['torch_dtype']!r} is not supported; "
+                         f"accepted: {', '.join(EXPORT_DTYPES)}")
+    return config
+
+
+def checked_tensors(tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors to write (floats cast to torch_dtype), or a ValueError naming the first bad one."""
+    required = required_shapes(config)
+    for name, shape in required.items():
+        if name not in tensors:
+            raise ValueError(f"the checkpoint lacks tensor {name!r}, which SGLang needs; refusing to export")
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensors[name].shape)}; the config implies {shape}")
+    if tensors["d2t"].dtype != torch.int64 or tensors["t2d"].dtype != torch.bool:
+        raise ValueError(f"d2t must be int64 and t2d bool; got {tensors['d2t'].dtype} and {tensors['t2d'].dtype}")
+    hot_ids = torch.arange(config["draft_vocab_size"]) + tensors["d2t"]  # (D,)
+    if int(hot_ids.min()) < 0 or int(hot_ids.max()) >= config["vocab_size"] or not bool(tensors["t2d"][hot_ids].all()):
+        raise ValueError("tensors 'd2t' and 't2d' disagree: d2t names target ids that t2d does not mark")
+    dtype = EXPORT_DTYPES[config["torch_dtype"]]
+    return {name: tensors[name].to(dtype).contiguous() if tensors[name].is_floating_point() else
+            tensors[name].contiguous() for name in required}
+
+
+def model_card(config: dict[str, Any], run_config: dict[str, Any] | None, evaluation: dict[str, Any] | None) -> str:
+    tap = config["eagle_tap"]
+    lines = ["# EAGLE-3 draft (eagle-tap)", "",
+             f"Draft for target `{tap.get('target_architecture')}` "
+             f"(fingerprint `{tap.get('target_model_fingerprint')}`), "
+             "served with SGLang `--speculative-algorithm EAGLE3 --speculative-draft-model-path <this folder>`.", "",
+             "## Architecture", "",
+             f"- one Llama decoder layer, hidden {config['hidden_size']}, heads {config['num_attention_heads']}/"
+             f"{config['num_key_value_heads']}, intermediate {config['intermediate_size']}",
+             f"- capture layers (inputs of target layers) {tap['capture_layers']}; SGLang "
+             f"`eagle_aux_hidden_state_layer_ids` {config['eagle_config']['eagle_aux_hidden_state_layer_ids']}",
+             f"- draft vocab {config['draft_vocab_size']} of {config['vocab_size']} target tokens", ""]
+    if run_config is not None:
+        lines += ["## Training data", "",
+                  f"- shards: `{run_config['data']['shards']}`; {run_config['num_steps']} optimizer steps of "
+                  f"{run_config['data']['batch_size']} rows (max length {run_config['data']['max_length']})",
+                  f"- TTT steps {run_config['objective']['ttt_steps']}, seed {run_config['seed']}", ""]
+        vocab_meta = Path(run_config["vocab"]) / "vocab.json"
+        if vocab_meta.is_file():
+            meta = json.loads(vocab_meta.read_text(encoding="utf-8"))
+            lines += ["## Vocab coverage", "",
+                      f"The draft vocab covers {meta['coverage']:.1%} of {meta['num_counted_tokens']} loss-masked "
+                      f"captured tokens ({meta['num_distinct_tokens']} distinct).", ""]
+    if evaluation is not None:
+        from trainer.evaluate import format_table
+
+        lines += ["## Offline evaluation", "", f"Held-out shards `{evaluation.get('shards')}`, "
+                  f"{evaluation['num_start_positions']} start positions.", "",
+                  "```", format_table(evaluation), "```", ""]
+    return "\n".join(lines)
+
+
+def export(checkpoint: str | Path, out_dir: str | Path, eval_result: str | Path | None = None) -> Path:
+    """Writes the SGLang-loadable folder out_dir from a trained run; returns out_dir."""
+    from safetensors.torch import load_file, save_file
+
+    final, run_config_path = resolve_checkpoint(checkpoint)
+    out = Path(out_dir)
+    if out.exists():
+        raise ValueError(f"{out} already exists; export into a new folder")
+    config = export_config(json.loads((final / "config.json").read_text(encoding="utf-8")))
+    tensors = checked_tensors(load_file(final / "model.safetensors"), config)
+    run_config = json.loads(run_config_path.read_text(encoding="utf-8")) if run_config_path else None
+    evaluation = json.loads(Path(eval_result).read_text(encoding="utf-8")) if eval_result else None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        (staging / "README.md").write_text(model_card(config, run_config, evaluation), encoding="utf-8")
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
