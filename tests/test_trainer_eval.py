@@ -79,3 +79,11 @@ def test_eval_against_baselines_and_the_model_card(tmp_path: Path) -> None:
                  "--eval-result", str(tmp_path / "eval" / "eval.json")]) == 0
     card = (tmp_path / "draft" / "README.md").read_text()
     assert "acceptance length k=7" in card and "unigram" in card
+    assert result["held_out"]["num_training_records"] == 64 and "token ids" in result["held_out"]["rule"]
+
+
+def test_eval_refuses_records_the_run_trained_on(tmp_path: Path, capsys) -> None:
+    run = trained_run()
+    training_shards = trainer_data.prepared_inputs()["train_shards"]
+    assert main(["eval", "--checkpoint", str(run), "--shards", str(training_shards), "--out", str(tmp_path)]) == 2
+    assert "were in the training shards" in capsys.readouterr().err

@@ -98,6 +98,27 @@ def load_drafts(checkpoint: str | Path) -> tuple[ttt.Eagle3Objective, ttt.Eagle3
     return trained.eval(), untrained.eval(), run_dict
 
 
+def check_held_out(eval_shards: str | Path, training_shards: str | Path) -> dict[str, Any]:
+    """Refuse eval records the run trained on (same record id or same token ids); return the rule applied."""
+    from capture_format import ShardDirectory
+
+    def index(path: str | Path) -> list:
+        with ShardDirectory(path) as shards:
+            return list(shards.iter_index())
+
+    trained_on = index(training_shards)
+    trained_ids = {entry.record_id for entry in trained_on}
+    trained_sequences = {entry.ids_xxh3_64 for entry in trained_on}
+    overlap = [entry.record_id for entry in index(eval_shards)
+               if entry.record_id in trained_ids or entry.ids_xxh3_64 in trained_sequences]
+    if overlap:
+        raise ValueError(
+            f"{len(overlap)} records of {eval_shards} were in the training shards {training_shards} (first: "
+            f"{overlap[0]!r}); evaluate on held-out shards the run never read")
+    return {"training_shards": str(training_shards), "num_training_records": len(trained_on),
+            "rule": "no eval record shares a record id or its token ids with the training shards"}
+
+
 def most_frequent_token(vocab_dir: str | Path, vocab_size: int) -> int:
     from trainer.vocab import load_frequency_file
 
@@ -109,6 +130,7 @@ def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | N
              batch_size: int = 8, max_length: int = 2048, steps: int = MAX_CHAIN) -> dict[str, Any]:
     """Accuracy per TTT step and acceptance length by k for the draft and the two baselines."""
     trained, untrained, run_dict = load_drafts(checkpoint)
+    held_out = check_held_out(shards, run_dict["data"]["shards"])
     trained.config.ttt_steps = untrained.config.ttt_steps = steps
     vocab_size = trained.draft.config.vocab_size
     unigram = most_frequent_token(run_dict["vocab"], vocab_size)
@@ -141,7 +163,7 @@ def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | N
     if num_records == 0:
         raise ValueError(f"{shards} holds no record to evaluate")
     drafts = {name: count.result() for name, count in counts.items()}
-    return {"checkpoint": str(checkpoint), "shards": str(shards), "num_records": num_records,
+    return {"checkpoint": str(checkpoint), "shards": str(shards), "held_out": held_out, "num_records": num_records,
             "num_start_positions": int(torch.cat(counts["draft"].matches).shape[0]), "chain_lengths":
             list(range(1, steps + 1)), "unigram_token_id": unigram, "drafts": drafts}
 
