@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from eagle_tap.cli import main
+from eagle_tap.sglang_server import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 import trainer_data  # noqa: E402
@@ -168,12 +168,6 @@ def sglang_check(export_dir: str, record_shards: str, port: int) -> dict:
                          "logit_scale": logits.abs().max().item(),
                          "argmax_agreement": (logits.argmax(-1) == sglang_logits.argmax(-1)).float().mean().item()}
     return {"unwritten": unwritten, "hot_ids_ok": hot_ids_ok, "num_positions": len(input_ids), **results}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_sglangs_own_eagle3_class_loads_the_folder_and_computes_our_forward(tmp_path: Path) -> None:
