@@ -37,8 +37,9 @@ def generate(server, input_ids: list[int], *, record_id: str | None = None, span
     return post_json(f"{server.url}/generate", payload)
 
 
-def read_stats(spool_dir: Path) -> dict:
-    path = spool_dir / "dp0" / "stats.json"
+def read_stats(spool_dir: Path, rank_dir: str = "dp0") -> dict:
+    """The plugin's stats file of one data-parallel rank (`rank_dir=""`: the dormant-status file at the top)."""
+    path = spool_dir / rank_dir / "stats.json"
     return json.loads(path.read_text()) if path.exists() else {}
 
 

@@ -91,12 +91,6 @@ def disk_snapshot(directory: Path) -> dict[str, int]:
     return {entry.name: entry.stat().st_size for entry in os.scandir(directory)}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class ThreadedCollector:
     """create_app(settings) served by uvicorn in a thread of this process, on a free loopback port."""
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
@@ -72,13 +71,8 @@ def test_capture_layers_the_model_does_not_have_leave_a_dormant_plugin_and_a_ser
     assert len(generate(server, ids, record_id="never", max_new_tokens=2)["output_ids"]) == 2
     log = server.log_path.read_text(errors="replace")
     assert "eagle-tap capture disabled: LayerConfigError" in log and "out of range for a 8-layer model" in log
-    stats = wait_for(lambda: read_stats_root(spool_dir), 10, "the dormant status")
+    stats = wait_for(lambda: read_stats(spool_dir, rank_dir=""), 10, "the dormant status")
     assert stats["status"].startswith("dormant") and "captured" not in stats
-
-
-def read_stats_root(spool_dir) -> dict:
-    path = spool_dir / "stats.json"
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 @pytest.mark.parametrize("variable, value, message", [

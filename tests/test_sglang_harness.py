@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import psutil
 import pytest
 
+from capture_helpers import post_json
 from eagle_tap import sglang_server
 from eagle_tap.sglang_server import CPU_STANDINS_DIR, ServerConfig, SGLangServer, ServerStartError
 
@@ -24,12 +23,6 @@ NUM_NEW_TOKENS = 16
 # bf16 logits of two kernels differ by rounding; where the reference's top-2 logits are closer than this,
 # either token is a correct greedy choice and the sequences may part ways from there on.
 TIE_MARGIN = 0.25
-
-
-def post_json(url: str, payload: dict) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
 
 
 def hf_greedy(model_dir, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
