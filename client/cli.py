@@ -38,6 +38,7 @@ def config_from_args(args: argparse.Namespace) -> "FireConfig":
         mode="regenerate" if args.regenerate else "as-is",
         records_per=args.records_per,
         tokenizer_path=args.tokenizer,
+        trust_remote_code=args.trust_remote_code,
         template_kwargs=json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else {},
         extra_stop_token_ids=tuple(args.stop_token_id or ()),
         data_split=args.data_split,
@@ -85,6 +86,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                       help="one record per conversation (default) or per assistant turn (for templates that "
                       "rewrite earlier turns, e.g. drop their reasoning)")
     fire.add_argument("--tokenizer", help="target tokenizer folder (default: the server's, if it is a folder here)")
+    fire.add_argument("--trust-remote-code", action="store_true",
+                      help="run the tokenizer code shipped with the model (e.g. Kimi-K2's tokenizer)")
     fire.add_argument("--chat-template-kwargs",
                       help='JSON of extra chat-template variables, e.g. \'{"enable_thinking": true}\'')
     fire.add_argument("--stop-token-id", type=int, action="append",

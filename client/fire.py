@@ -65,6 +65,8 @@ class FireConfig:
     """`conversation` (one record, a span per assistant turn) or `turn` (one record per assistant turn)."""
     tokenizer_path: str | None = None
     """Target tokenizer; default: the server's tokenizer path, when it is a folder here."""
+    trust_remote_code: bool = False
+    """Run the tokenizer code shipped with the model (needed by tokenizers such as Kimi-K2's)."""
     template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Extra chat-template variables (e.g. `{"enable_thinking": true}`)."""
     extra_stop_token_ids: tuple[int, ...] = ()
@@ -229,7 +231,8 @@ async def _load_chat(config: FireConfig, endpoints: Endpoints) -> ChatTokenizer:
         if not path or not Path(path).exists():
             raise ValueError(f"the server's tokenizer {path!r} is not a folder on this machine; pass --tokenizer")
     return ChatTokenizer.from_pretrained(path, extra_stop_token_ids=config.extra_stop_token_ids,
-                                         template_kwargs=config.template_kwargs)
+                                         template_kwargs=config.template_kwargs,
+                                         trust_remote_code=config.trust_remote_code)
 
 
 def _finish(run: _Run, started_s: float) -> int:

@@ -68,11 +68,14 @@ class ChatTokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, extra_stop_token_ids: Iterable[int] = (),
-                        template_kwargs: dict[str, Any] | None = None) -> "ChatTokenizer":
-        """Loads the tokenizer at `path`; stop tokens are its eos plus `generation_config.json`'s eos ids."""
+                        template_kwargs: dict[str, Any] | None = None, trust_remote_code: bool = False
+                        ) -> "ChatTokenizer":
+        """Loads the tokenizer at `path`; stop tokens are its eos plus `generation_config.json`'s eos ids.
+
+        trust_remote_code runs the tokenizer code shipped with the model (Kimi-K2's tokenizer is such code)."""
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         if not tokenizer.chat_template:
             raise ValueError(f"the tokenizer at {path} has no chat template; spans come from the chat template")
         stop_ids = set(extra_stop_token_ids)

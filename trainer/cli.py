@@ -73,7 +73,7 @@ def _vocab(args: argparse.Namespace) -> int:
     mapping, counts = build_vocab_mapping(
         target_dir=args.target, draft_vocab_size=args.draft_vocab_size, out_dir=args.out, shard_dir=args.shards,
         frequency_file=args.frequencies, force_template_tokens=not args.no_template_tokens,
-        forced_ids=args.force_token_ids, if_fewer=args.if_fewer,
+        forced_ids=args.force_token_ids, if_fewer=args.if_fewer, trust_remote_code=args.trust_remote_code,
     )
     print(coverage_report(counts, mapping))
     print(f"wrote {args.out}: t2d/d2t (.npy, .pt), vocab.json, token_frequencies.json, coverage.png")
@@ -147,6 +147,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                        help="fewer distinct tokens than N: fail (default), shrink N, or fill with unobserved ids")
     vocab.add_argument("--no-template-tokens", action="store_true",
                        help="do not force the chat template's special tokens and end-of-turn ids in")
+    vocab.add_argument("--trust-remote-code", action="store_true",
+                       help="run the tokenizer code shipped with the model (e.g. Kimi-K2's), to find template tokens")
     vocab.add_argument("--force-token-ids", type=_ids, default=[], help="more ids to force in, e.g. 0,1,2")
     vocab.set_defaults(run=_vocab)
 

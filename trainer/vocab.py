@@ -62,14 +62,14 @@ def tokenizer_fingerprint(model_dir: str | Path) -> str:
     return f"tok:{digest.hexdigest()[:16]}"
 
 
-def template_token_ids(model_dir: str | Path) -> list[int]:
+def template_token_ids(model_dir: str | Path, trust_remote_code: bool = False) -> list[int]:
     """Special tokens the chat template emits (rendering a short conversation) and the end-of-turn ids."""
     from transformers import AutoTokenizer
 
     config = read_model_config(model_dir)
     eos = config.get("eos_token_id")
     forced = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     added_special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
     special = set(tokenizer.all_special_ids) | added_special
     turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}] * 2
@@ -331,6 +331,7 @@ def build_vocab_mapping(
     shard_dir: str | Path | None = None,
     frequency_file: str | Path | None = None,
     force_template_tokens: bool = True,
+    trust_remote_code: bool = False,
     forced_ids: Sequence[int] = (),
     if_fewer: str = "error",
 ) -> tuple[VocabMapping, np.ndarray]:
@@ -347,7 +348,7 @@ def build_vocab_mapping(
         counts, source = load_frequency_file(frequency_file, vocab_size), {"frequencies": str(frequency_file)}
     if counts.sum() == 0:
         raise ValueError(f"no loss-masked token was counted in {source}; check the captures' loss spans")
-    forced = sorted(set(forced_ids) | set(template_token_ids(target_dir) if force_template_tokens else []))
+    forced = sorted(set(forced_ids) | set(template_token_ids(target_dir, trust_remote_code) if force_template_tokens else []))
     target_ids, num_filled = select_draft_tokens(counts, draft_vocab_size, forced, if_fewer)
     meta = {
         "format": MAPPING_FORMAT,
