@@ -49,7 +49,7 @@ from capture_format.records import (
 )
 from capture_format.shard_index import INDEX_FORMAT_VERSION, IndexEntry, ShardIndex, load_index
 from capture_format.shard_reader import ShardDirectory, VerifyReport, verify_shard
-from capture_format.shards import RecoveryReport, ShardWriter, recover_open_shard
+from capture_format.shards import RecoveryReport, ShardWriter, recover_open_shard, write_shards
 
 __all__ = [
     "AUX_SEMANTICS",
@@ -99,4 +99,5 @@ __all__ = [
     "recover_open_shard",
     "spans_from_mask",
     "verify_shard",
+    "write_shards",
 ]

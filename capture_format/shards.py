@@ -17,12 +17,14 @@ from __future__ import annotations
 import fcntl
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from capture_format.errors import CaptureFormatError, ShardError, describe
 from capture_format.frame_header import FrameInfo
-from capture_format.frames import FRAME_PREFIX_NBYTES, inspect_frame, read_frame_prefix
+from capture_format.frames import FRAME_PREFIX_NBYTES, encode_frame, inspect_frame, read_frame_prefix
+from capture_format.records import CaptureRecord
 from capture_format.shard_index import (
     OPEN_SUFFIX,
     SEALED_SUFFIX,
@@ -35,7 +37,7 @@ from capture_format.shard_index import (
     write_index,
 )
 
-__all__ = ["RecoveryReport", "ShardWriter", "recover_open_shard"]
+__all__ = ["RecoveryReport", "ShardWriter", "recover_open_shard", "write_shards"]
 
 
 def _next_shard_number(directory: Path) -> int:
@@ -143,6 +145,33 @@ class ShardWriter:
             os.close(self._fd)
             self._fd = -1
             self._unusable_reason = self._unusable_reason or "the writer is closed"
+
+
+def write_shards(
+    records: Iterable[CaptureRecord], directory: Path | str, *, records_per_shard: int, codec: str | None = None
+) -> list[ShardIndex]:
+    """Writes records into new sealed shards of up to records_per_shard records each, as the collector
+    stores them (encode_frame, inspect_frame, append, seal): shards made offline, for tests and benchmarks."""
+    if records_per_shard < 1:
+        raise ValueError(f"records_per_shard must be at least 1; got {records_per_shard}")
+    indexes: list[ShardIndex] = []
+    writer: ShardWriter | None = None
+    try:
+        for record in records:
+            if writer is None:
+                writer = ShardWriter(directory)
+            frame = encode_frame(record, codec)
+            writer.append(frame, inspect_frame(frame))
+            if writer.num_records == records_per_shard:
+                indexes.append(writer.seal())
+                writer = None
+        if writer is not None:
+            indexes.append(writer.seal())
+            writer = None
+    finally:
+        if writer is not None:
+            writer.close()
+    return indexes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

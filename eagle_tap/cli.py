@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "collector_service.cli",
     "client.cli",
     "trainer.cli",
+    "eagle_tap.bench.cli",
 )
 
 
@@ -30,6 +31,12 @@ def _interrupt(signum: int, frame: object) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
+
+
+def interrupt_on_signals() -> None:
+    """Turn Ctrl-C and TERM into KeyboardInterrupt, so `kill` unwinds and stops child processes like Ctrl-C."""
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -48,8 +55,7 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"starting SGLang for {config.model_path} on {server.url} (log: {server.log_path or 'temp file'})", flush=True)
     with server:
         print(f"serving at {server.url}; Ctrl-C stops it and every process it started", flush=True)
-        signal.signal(signal.SIGINT, _interrupt)
-        signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as cleanly as Ctrl-C
+        interrupt_on_signals()
         try:
             while True:
                 time.sleep(3600)

@@ -6,6 +6,7 @@ answers; `stop()` terminates it (SIGTERM, so it seals its open shard) and waits.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -18,7 +19,8 @@ from eagle_tap.sglang_server import free_port
 class CollectorProcess:
     """A real collector (`python -m collector_service collect`) on a loopback port, stopped with `stop()`."""
 
-    def __init__(self, data_dir: Path, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, data_dir: Path, port: int | None = None, extra_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -28,7 +30,7 @@ class CollectorProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "collector_service", "collect", "--data-dir", str(data_dir),
              "--host", "127.0.0.1", "--port", str(self.port), *extra_args],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
         try:
             self._wait_healthy()
         except BaseException:

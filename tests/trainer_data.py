@@ -5,7 +5,7 @@ bf16 tolerance) without a server's start-up time: `output_hidden_states=True` gi
 hidden_states[i] = the input of decoder layer i (so aux[:, k] = hidden_states[capture_layers[k]])
 and hidden_states[-1] = the final state after the norm. States are rounded to bf16 bit patterns,
 loss spans are the assistant tokens of chat-template-rendered conversations, and records go into
-sealed shards through ShardWriter + encode_frame + inspect_frame, as the collector writes them.
+sealed shards through capture_format.write_shards, as the collector writes them.
 
 Conversations are questions about Python standard-library functions answered with the first
 paragraph of their docstrings (read with `ast`, nothing imported), which is what the tiny model
@@ -155,18 +155,6 @@ def shuffle_final_rows(record: cf.CaptureRecord, seed: int) -> cf.CaptureRecord:
     )
 
 
-def write_shards(records: list[cf.CaptureRecord], directory: Path, records_per_shard: int = 24) -> Path:
-    """Writes records into sealed shards in directory, as the collector does."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for first in range(0, len(records), records_per_shard):
-        writer = cf.ShardWriter(directory)
-        for record in records[first : first + records_per_shard]:
-            frame = cf.encode_frame(record)
-            writer.append(frame, cf.inspect_frame(frame))
-        writer.seal()
-    return directory
-
-
 @functools.cache
 def _root() -> Path:
     root = Path(tempfile.mkdtemp(prefix="eagle-tap-trainer-data-"))
@@ -184,8 +172,9 @@ def shard_dir(start: int, count: int, *, shuffled_targets: bool = False, max_tok
     records = capture_records(start, count, max_tokens=max_tokens)
     if shuffled_targets:
         records = [shuffle_final_rows(record, seed=7) for record in records]
-    name = f"shards-{start}-{count}-{max_tokens}{'-shuffled' if shuffled_targets else ''}"
-    return write_shards(records, _root() / name)
+    directory = _root() / f"shards-{start}-{count}-{max_tokens}{'-shuffled' if shuffled_targets else ''}"
+    cf.write_shards(records, directory, records_per_shard=24)
+    return directory
 
 
 @functools.cache

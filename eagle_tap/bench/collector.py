@@ -1,9 +1,6 @@
-"""Collector ingest throughput over loopback against a raw-socket ceiling measured in the same run.
+"""Collector benchmark: ingest MB/s over loopback against the raw-socket ceiling and the disk, one run.
 
-    python scripts/bench_collector.py [--seconds 4] [--tokens 512] [--layers 3] [--hidden 1024]
-
-Prints a Markdown table: MB/s (10^6 bytes/s) of stored frame bytes acknowledged, per number of
-concurrent senders (--senders, default 1,2), for
+MB/s (10**6 bytes/s) of stored frame bytes acknowledged, per number of concurrent senders, for
 - the raw-socket ceiling: a plain TCP server in its own process reads each frame into one reused
   buffer (recv_into) and answers one byte; the client sends the same bytes the same way;
 - the collector (`python -m collector_service collect`, its own process) with durability fsync
@@ -12,7 +9,7 @@ concurrent senders (--senders, default 1,2), for
   directory's file system (what fsync-mode ingest with one frame per sync can at best reach).
 Senders are threads of this process, each with one keep-alive connection and a minimal HTTP/1.1
 client on a plain socket (one send for request line, headers and frame header, one for the payload,
-from a memoryview): the same send path as the raw ceiling. http.client cost ~0.3 ms of client CPU
+from a memoryview): the same send path as the raw ceiling. http.client costs ~0.3 ms of client CPU
 per request here and httpx more; both would measure the client as much as the collector.
 Every POST carries a new record id (the header is re-encoded with its checksum; the payload is
 shared), so each one is stored, never answered as a duplicate.
@@ -20,33 +17,58 @@ shared), so each one is stored, never answered as a duplicate.
 
 from __future__ import annotations
 
-import argparse
-import http.client
 import multiprocessing
 import os
 import shutil
 import socket
 import struct
-import subprocess
-import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import xxhash
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import capture_format as cf  # noqa: E402
-from capture_format.frame_header import load_header  # noqa: E402
+import capture_format as cf
+from capture_format.frame_header import load_header
+from eagle_tap.bench.codecs import residual_like_states
+from eagle_tap.collector_process import CollectorProcess
 
 _PREFIX = struct.Struct("<8sHHIQQ")
 TOKEN = "bench-token"
 RECORD_ID_CHARS = 24
 """Every record id has this length, so every frame has the template's length."""
+COLUMNS = [
+    ["path", "path", "s"],
+    ["num_senders", "senders", "d"],
+    ["mb_s", "MB/s stored bytes", ",.0f"],
+    ["ratio_to_raw_socket", "ratio to raw socket", ".2f"],
+    ["ratio_to_disk", "ratio to disk", ".2f"],
+]
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """Frame shape, how long each row runs and how many senders."""
+
+    seconds: float = 4.0
+    """Duration of each measurement."""
+    num_tokens: int = 512
+    num_layers: int = 3
+    """K aux layers per frame (plus the final state)."""
+    hidden_size: int = 1024
+    senders: tuple[int, ...] = (1, 2)
+    """Sender counts to measure (raw socket and collector rows)."""
+    data_dir: str | None = None
+    """Where the collector and the disk row write (default: a temp dir)."""
+
+    @classmethod
+    def quick(cls) -> Config:
+        return cls(seconds=1.0, senders=(1,))
 
 
 def record_id(tag: str, number: int) -> str:
@@ -54,10 +76,10 @@ def record_id(tag: str, number: int) -> str:
 
 
 def make_frame(num_tokens: int, num_layers: int, hidden_size: int, seed: int = 0) -> bytes:
-    """A realistic frame: Gaussian residual-like states in bf16, stored with bf16-split."""
+    """A realistic frame: residual-like states in bf16, stored with the default codec (bf16-split)."""
     rng = np.random.default_rng(seed)
-    states = rng.standard_normal((num_tokens, num_layers + 1, hidden_size), dtype=np.float32)
-    bits = cf.bfloat16_bits_from_float32(states)
+    bits = residual_like_states(num_tokens * (num_layers + 1), hidden_size, seed)
+    bits = bits.reshape(num_tokens, num_layers + 1, hidden_size)  # (T, K+1, H)
     record = cf.CaptureRecord(
         record_id="t" * RECORD_ID_CHARS,
         sample_id="bench",
@@ -97,6 +119,22 @@ class FrameFactory:
         fields = (cf.FRAME_MAGIC, cf.FRAME_FORMAT_VERSION, 0, len(header), self.payload.nbytes)
         checksum = xxhash.xxh3_64_intdigest(_PREFIX.pack(*fields, 0)[:24] + header)
         return _PREFIX.pack(*fields, checksum) + header
+
+
+def _timed(sender: Callable[[list[int], float], None], num_senders: int, seconds: float) -> float:
+    """MB/s of the bytes `num_senders` threads running sender(results, deadline) report."""
+    results: list[int] = []
+    started = time.perf_counter()
+    deadline = started + seconds
+    threads = [threading.Thread(target=sender, args=(results, deadline)) for _ in range(num_senders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - started
+    if len(results) != num_senders:
+        raise RuntimeError("a sender failed (its traceback is above)")
+    return sum(results) / elapsed / 1e6
 
 
 # Raw-socket ceiling -------------------------------------------------------------------------------
@@ -142,27 +180,6 @@ def run_raw(port: int, factory: FrameFactory, num_senders: int, seconds: float) 
 
 
 # Collector ----------------------------------------------------------------------------------------
-
-def start_collector(data_dir: Path, durability: str) -> tuple[subprocess.Popen, int]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "collector_service", "collect", "--data-dir", str(data_dir), "--port", "0",
-         "--durability", durability, "--min-free-bytes", "0", "--log-level", "warning"],
-        cwd=REPO, stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO), "EAGLE_TAP_COLLECTOR_TOKEN": TOKEN},
-    )
-    line = process.stdout.readline()
-    port = int(line.split("http://127.0.0.1:", 1)[1].split()[0])
-    for _ in range(200):
-        try:
-            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            connection.request("GET", "/healthz")
-            if connection.getresponse().status == 200:
-                connection.close()
-                return process, port
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("collector did not become healthy")
-
 
 def _read_response(conn: socket.socket, pending: bytearray) -> tuple[int, bytes]:
     """Reads one HTTP/1.1 response with a Content-Length body; returns (status, body)."""
@@ -229,72 +246,60 @@ def run_disk(data_dir: Path, factory: FrameFactory, seconds: float) -> float:
         path.unlink()
 
 
-def _timed(sender, num_senders: int, seconds: float) -> float:
-    results: list[int] = []
-    started = time.perf_counter()
-    deadline = started + seconds
-    threads = [threading.Thread(target=sender, args=(results, deadline)) for _ in range(num_senders)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    elapsed = time.perf_counter() - started
-    if len(results) != num_senders:
-        raise RuntimeError("a sender failed")
-    return sum(results) / elapsed / 1e6
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=4.0, help="duration of each measurement")
-    parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--data-dir", type=Path, default=None, help="where the collector writes (default: a temp dir)")
-    parser.add_argument("--senders", default="1,2", help="comma-separated sender counts to measure")
-    args = parser.parse_args()
-    sender_counts = [int(count) for count in args.senders.split(",")]
-
-    factory = FrameFactory(make_frame(args.tokens, args.layers, args.hidden))
+def run(config: Config) -> dict[str, Any]:
+    factory = FrameFactory(make_frame(config.num_tokens, config.num_layers, config.hidden_size))
     info = cf.inspect_frame(factory.head(record_id("check", 0)) + bytes(factory.payload))
-    print(f"frame: T={args.tokens} K={args.layers} H={args.hidden} bf16-split, {factory.frame_nbytes / 2**20:.2f} MiB "
-          f"stored ({info.raw_nbytes / info.stored_nbytes:.3f}x); {args.seconds:g} s per row; {os.cpu_count()} cores\n")
-
-    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
-    raw_server = multiprocessing.get_context("fork").Process(target=_raw_server, args=(listener,), daemon=True)
-    raw_server.start()
-    raw_port = listener.getsockname()[1]
-    rows = []
-    ceilings = {}
-    for num_senders in sender_counts:
-        ceilings[num_senders] = run_raw(raw_port, factory, num_senders, args.seconds)
-        rows.append(("raw socket ceiling", num_senders, ceilings[num_senders]))
-    raw_server.kill()
-    raw_server.join()
-
-    disk_dir = Path(tempfile.mkdtemp(prefix="bench-disk-", dir=args.data_dir))
-    disk_rate = run_disk(disk_dir, factory, args.seconds)
-    disk_dir.rmdir()
-
-    for durability in ("fsync", "none"):
-        for num_senders in sender_counts:
-            data_dir = Path(tempfile.mkdtemp(prefix="bench-collector-", dir=args.data_dir))
-            process, port = start_collector(data_dir, durability)
-            try:
-                run_collector(port, factory, num_senders, min(1.0, args.seconds), "warmup")
-                rate = run_collector(port, factory, num_senders, args.seconds, f"s{num_senders}")
-            finally:
-                process.terminate()
-                process.wait(timeout=60)
-                shutil.rmtree(data_dir)
-            rows.append((f"collector, durability {durability}", num_senders, rate))
-
-    print("| path | senders | MB/s stored bytes | ratio to raw ceiling |")
-    print("|---|---|---|---|")
-    for name, num_senders, rate in rows:
-        print(f"| {name} | {num_senders} | {rate:,.0f} | {rate / ceilings[num_senders]:.2f} |")
-    print(f"| disk: pwrite + fdatasync per frame, no network | - | {disk_rate:,.0f} | - |")
-
-
-if __name__ == "__main__":
-    main()
+    work = Path(tempfile.mkdtemp(prefix="eagle-tap-bench-collector-", dir=config.data_dir))
+    token_file = work / "token"
+    token_file.write_text(TOKEN)
+    rows: list[dict[str, Any]] = []
+    try:
+        listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+        # spawn, not fork: this process may hold torch's or tokenizers' threads by now.
+        raw_server = multiprocessing.get_context("spawn").Process(target=_raw_server, args=(listener,), daemon=True)
+        raw_server.start()
+        try:
+            for num_senders in config.senders:
+                rate = run_raw(listener.getsockname()[1], factory, num_senders, config.seconds)
+                rows.append({"path": "raw socket ceiling", "num_senders": num_senders, "mb_s": rate})
+        finally:
+            raw_server.kill()
+            raw_server.join()
+            listener.close()
+        disk_rate = run_disk(work, factory, config.seconds)
+        for durability in ("fsync", "none"):
+            for num_senders in config.senders:
+                data_dir = work / f"collector-{durability}-{num_senders}" / "data"
+                collector = CollectorProcess(data_dir, extra_args=(
+                    "--durability", durability, "--min-free-bytes", "0", "--log-level", "warning",
+                    "--token-file", str(token_file)))
+                try:
+                    run_collector(collector.port, factory, num_senders, min(1.0, config.seconds), "warmup")
+                    rate = run_collector(collector.port, factory, num_senders, config.seconds, f"s{num_senders}")
+                finally:
+                    collector.stop()
+                    shutil.rmtree(data_dir.parent)
+                rows.append({"path": f"collector, durability {durability}", "num_senders": num_senders, "mb_s": rate})
+        rows.append({"path": "disk: pwrite + fdatasync per frame, no network", "num_senders": None, "mb_s": disk_rate})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    ceilings = {row["num_senders"]: row["mb_s"] for row in rows if row["path"] == "raw socket ceiling"}
+    for row in rows:
+        row["ratio_to_raw_socket"] = row["mb_s"] / ceilings[row["num_senders"]] if row["num_senders"] else None
+        row["ratio_to_disk"] = row["mb_s"] / disk_rate if row["path"].startswith("collector") else None
+    fsync_rows = [row for row in rows if row["path"] == "collector, durability fsync"]
+    best_fsync = max(fsync_rows, key=lambda row: row["mb_s"])
+    summary = {"frame_mib": factory.frame_nbytes / 2**20, "frame_ratio": info.raw_nbytes / info.stored_nbytes,
+               "collector_fsync_best_mb_s": best_fsync["mb_s"], "disk_mb_s": disk_rate,
+               "collector_fsync_best_ratio_to_disk": best_fsync["ratio_to_disk"],
+               "collector_fsync_best_ratio_to_raw_socket": best_fsync["ratio_to_raw_socket"]}
+    notes = [
+        f"frame: T={config.num_tokens} K={config.num_layers} H={config.hidden_size} bf16-split, "
+        f"{summary['frame_mib']:.2f} MiB stored ({summary['frame_ratio']:.3f}x); {config.seconds:g} s per row; "
+        f"senders are threads of the bench process, on the same {os.cpu_count()} cores as the collector",
+        f"best collector ingest with fsync: {best_fsync['mb_s']:,.0f} MB/s = "
+        f"**{best_fsync['ratio_to_disk']:.2f}x** the disk alone, {best_fsync['ratio_to_raw_socket']:.2f}x "
+        "the raw-socket ceiling",
+    ]
+    return {"title": "Collector ingest over loopback vs the disk alone vs the raw-socket ceiling",
+            "parameters": asdict(config), "columns": COLUMNS, "rows": rows, "summary": summary, "notes": notes}

@@ -1,0 +1,155 @@
+"""Capture benchmark: the same SGLang binary and prompts, with the capture plugin capturing vs. not loaded.
+
+Starts a collector and two SGLang servers of the same model (CPU here): one with the plugin
+capturing (EAGLE_TAP_COLLECTOR_URL set), one with the plugin excluded through SGLang's own
+allow-list (SGLANG_PLUGINS), which is the same as not installing it. Rounds alternate between the
+two so drift on the machine hits both; each round sends the same tagged prefill-only capture
+requests (unique cache_salt, max_new_tokens 1) with bounded concurrency. Reports tokens/s per
+server per round, the median ratio capturing / not loaded, and the plugin's and collector's counts.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import shutil
+import statistics
+import tempfile
+import time
+import urllib.request
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from capture_format.tag import CaptureTag
+from eagle_tap.collector_process import CollectorProcess
+from eagle_tap.sglang_server import ServerConfig, SGLangServer
+from eagle_tap.tiny_model import TINY_MODEL_DIR
+
+COLUMNS = [
+    ["round", "round", "d"],
+    ["plain_tokens_s", "plugin not loaded (tok/s)", ",.0f"],
+    ["capturing_tokens_s", "plugin capturing (tok/s)", ",.0f"],
+    ["ratio", "ratio capturing / not loaded", ".3f"],
+]
+RATIO_GOAL = 0.90
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """Which model, how many requests of how many tokens, how many rounds."""
+
+    model: str = str(TINY_MODEL_DIR)
+    """HF model folder both servers serve."""
+    device: str = "cpu"
+    num_requests: int = 48
+    num_tokens: int = 384
+    """Prompt tokens per request."""
+    rounds: int = 5
+    concurrency: int = 8
+    """Requests in flight per server."""
+
+    @classmethod
+    def quick(cls) -> Config:
+        return cls(rounds=3)
+
+
+def post(url: str, payload: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read())
+
+
+def prompts(model_dir: Path, num_requests: int, num_tokens: int) -> list[list[int]]:
+    """num_requests overlapping windows of num_tokens tokens of a Python source file."""
+    from transformers import AutoTokenizer
+
+    from eagle_tap.bench.codecs import quiet_transformers
+
+    with quiet_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        ids = tokenizer(Path(json.__file__).read_text() * 4, add_special_tokens=False)["input_ids"]
+    stride = 97
+    if (num_requests - 1) * stride + num_tokens > len(ids):
+        raise ValueError(f"{num_requests} prompts of {num_tokens} tokens need more text than the bench has")
+    return [ids[i * stride : i * stride + num_tokens] for i in range(num_requests)]
+
+
+def run_round(server: SGLangServer, batch: list[list[int]], round_name: str, concurrency: int) -> float:
+    """Tokens per second of prefilling every prompt in `batch` as a tagged capture request."""
+    def one(index_ids: tuple[int, list[int]]) -> None:
+        index, ids = index_ids
+        tag = CaptureTag(record_id=f"{round_name}-{index}", sample_id=f"s{index}", loss_spans=((0, len(ids)),))
+        post(f"{server.url}/generate", {
+            "input_ids": ids, "cache_salt": uuid.uuid4().hex,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0, "custom_params": tag.to_custom_params()},
+        })
+
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, enumerate(batch)))
+    return sum(map(len, batch)) / (time.perf_counter() - started)
+
+
+def _start_both(servers: list[SGLangServer]) -> None:
+    """Starts the servers at once (start-up is mostly waiting); raises the first failure."""
+    with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
+        for future in [pool.submit(server.start) for server in servers]:
+            future.result()
+
+
+def run(config: Config) -> dict[str, Any]:
+    model = Path(config.model)
+    work = Path(tempfile.mkdtemp(prefix="eagle-tap-bench-capture-"))
+    batch = prompts(model, config.num_requests, config.num_tokens)
+    spool_dir = work / "spool"
+    collector = CollectorProcess(work / "collector" / "data")
+    capturing = SGLangServer(ServerConfig(model_path=model, device=config.device, log_path=work / "capturing.log", env={
+        "EAGLE_TAP_COLLECTOR_URL": collector.url, "EAGLE_TAP_SPOOL_DIR": str(spool_dir)}))
+    plain = SGLangServer(ServerConfig(model_path=model, device=config.device, log_path=work / "plain.log",
+                                      env={"SGLANG_PLUGINS": "none-loaded"}))
+    rows = []
+    started = time.perf_counter()
+    try:
+        _start_both([capturing, plain])
+        startup_s = time.perf_counter() - started
+        run_round(plain, batch[:4], "warmup-plain", config.concurrency)
+        run_round(capturing, batch[:4], "warmup-capturing", config.concurrency)
+        for round_number in range(config.rounds):
+            plain_tps = run_round(plain, batch, f"plain-{round_number}", config.concurrency)
+            capturing_tps = run_round(capturing, batch, f"capturing-{round_number}", config.concurrency)
+            rows.append({"round": round_number, "plain_tokens_s": plain_tps, "capturing_tokens_s": capturing_tps,
+                         "ratio": capturing_tps / plain_tps})
+        time.sleep(2.0)  # the plugin's stats file is refreshed about once a second
+        plugin_stats = json.loads((spool_dir / "dp0" / "stats.json").read_text())
+        with urllib.request.urlopen(f"{collector.url}/v1/stats", timeout=10) as response:
+            collector_stats = json.loads(response.read())
+    finally:
+        capturing.stop()
+        plain.stop()
+        collector.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+    ratio = statistics.median(row["ratio"] for row in rows)
+    dropped = plugin_stats.get("dropped") or {}  # reason -> count
+    dropped_text = ", ".join(f"{count} {reason}" for reason, count in dropped.items()) or "none"
+    summary = {
+        "median_ratio": ratio, "ratio_goal": RATIO_GOAL, "server_startup_s": startup_s,
+        "plugin": {key: plugin_stats.get(key) for key in
+                   ("captured", "captured_tokens", "bytes_raw", "bytes_stored", "dropped")},
+        "collector": {key: collector_stats.get(key) for key in ("num_records", "compression_ratio")},
+    }
+    notes = [
+        f"{config.num_requests} requests x {config.num_tokens} tokens, concurrency {config.concurrency}, "
+        f"model {model.name} on {config.device}, {config.rounds} alternating rounds after a warm-up",
+        f"median ratio capturing / not loaded: **{ratio:.3f}** (goal >= {RATIO_GOAL:.2f})",
+        f"plugin: captured {plugin_stats.get('captured')} records, {plugin_stats.get('captured_tokens')} tokens, "
+        f"raw {plugin_stats.get('bytes_raw', 0) / 1e6:.1f} MB -> "
+        f"stored {plugin_stats.get('bytes_stored', 0) / 1e6:.1f} MB, "
+        f"dropped {dropped_text}; collector: {collector_stats.get('num_records')} records, "
+        f"compression ratio {collector_stats.get('compression_ratio')}",
+    ]
+    return {"title": "Capture throughput: SGLang with the plugin capturing vs not loaded",
+            "parameters": asdict(config), "columns": COLUMNS, "rows": rows, "summary": summary, "notes": notes}

@@ -1,0 +1,62 @@
+"""The `bench` subcommand: run the project's benchmarks, write bench.json and bench.md, print the Markdown.
+
+Imports nothing heavy at module level: the benchmarks (numpy, torch, SGLang servers) load when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from eagle_tap.bench.report import BENCHMARKS, check_names  # standard library only
+
+__all__ = ["add_commands"]
+
+
+def _names(text: str) -> list[str]:
+    try:
+        return check_names([name.strip() for name in text.split(",") if name.strip()] or [""])
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from eagle_tap.bench import codecs
+    from eagle_tap.bench.report import render_markdown, run_benchmarks, write_report
+    from eagle_tap.cli import interrupt_on_signals
+
+    configs = {}
+    if args.codec_states:
+        base = codecs.Config.quick() if args.quick else codecs.Config()
+        configs["codecs"] = dataclasses.replace(base, source=args.codec_states)
+    interrupt_on_signals()  # TERM unwinds like Ctrl-C, so the servers and collectors a benchmark started stop
+    try:
+        report = run_benchmarks(args.only, quick=args.quick, configs=configs)
+    except KeyboardInterrupt:
+        print("eagle-tap bench: interrupted; nothing written", file=sys.stderr)
+        return 130
+    json_path, markdown_path = write_report(report, args.out)
+    print(render_markdown(report))
+    print(f"wrote {json_path} and {markdown_path}", file=sys.stderr)
+    return 1 if any("error" in result for result in report["benchmarks"].values()) else 0
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser(
+        "bench", help="run the benchmarks (codecs, collector, capture, trainer); write bench.json and bench.md",
+        description="Measure, side by side in one run: codec ratio and MB/s (raw, zstd, bf16-split); collector "
+        "ingest MB/s against the disk alone and the raw-socket loopback ceiling; SGLang throughput with the "
+        "capture plugin capturing vs not loaded (starts CPU SGLang servers); the trainer's input pipeline "
+        "against what training steps consume. Full run: about 5-10 minutes on 2 cores; --quick: 1-2.",
+    )
+    bench.add_argument("--out", default="bench-results", help="directory for bench.json and bench.md "
+                       "(default: bench-results)")
+    bench.add_argument("--only", type=_names, default=list(BENCHMARKS), metavar="NAMES",
+                       help=f"comma-separated subset of {','.join(BENCHMARKS)} (default: all)")
+    bench.add_argument("--quick", action="store_true", help="shorter runs: smaller data, fewer rounds")
+    bench.add_argument("--codec-states", metavar="FILE.npy",
+                       help="measure the codecs on these states (uint16 bf16 bit patterns, last dim = hidden size, "
+                       "e.g. real captures) instead of the tiny model's")
+    bench.set_defaults(run=_bench)

@@ -1,0 +1,100 @@
+"""`eagle-tap bench`: the codec and trainer benchmarks run at a tiny size and report well-formed results,
+and the report writer's JSON round-trips and its Markdown has one table row per measured item.
+
+No SGLang server and no assertion on speed: benchmarks are measured, never timed tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from eagle_tap.bench import codecs, trainer_pipeline
+from eagle_tap.bench.report import render_markdown, run_benchmarks, write_report
+from eagle_tap.cli import main
+
+CODECS = codecs.Config(num_tokens=2048, codecs=("raw", "zstd:1", "bf16-split"), frame_codecs=("bf16-split",),
+                       repeats=1)
+TRAINER = trainer_pipeline.Config(num_records=12, min_tokens=24, max_tokens=64, max_length=64, batch_size=4,
+                                  loader_workers=(0, 2), loader_passes=2, train_steps=1, ttt_steps=2,
+                                  draft_vocab_size=64)
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    return run_benchmarks(["trainer", "codecs"], configs={"codecs": CODECS, "trainer": TRAINER}, log=lambda line: None)
+
+
+def _check_well_formed(result: dict) -> None:
+    assert "error" not in result, result.get("error")
+    keys = [key for key, _, _ in result["columns"]]
+    assert result["rows"] and all(set(keys) <= set(row) for row in result["rows"])
+    for row in result["rows"]:
+        for key in keys:
+            assert row[key] is None or isinstance(row[key], str) or (math.isfinite(row[key]) and row[key] >= 0)
+    assert result["notes"] and result["wall_s"] > 0
+    json.dumps(result, allow_nan=False)
+
+
+def test_codec_bench_on_the_tiny_models_states(report: dict) -> None:
+    result = report["benchmarks"]["codecs"]
+    _check_well_formed(result)
+    rows = {row["item"]: row for row in result["rows"]}
+    assert list(rows) == ["raw", "zstd:1", "bf16-split (default)", "frame, bf16-split (checksums, verify)"]
+    assert rows["raw"]["ratio"] == 1.0 and rows["raw"]["decompress_mb_s"] is None
+    # Real states compress: the high byte (sign, exponent) repeats; bf16-split beats plain zstd on them.
+    assert rows["bf16-split (default)"]["ratio"] > rows["zstd:1"]["ratio"] > 1.0
+    assert rows["frame, bf16-split (checksums, verify)"]["ratio"] > 1.0
+    assert result["summary"]["raw_mb"] == pytest.approx(2048 * 4 * 128 * 2 / 1e6)
+    assert result["parameters"]["source"] == "tiny-model"
+
+
+def test_trainer_bench_reads_every_record_written_and_steps(report: dict) -> None:
+    result = report["benchmarks"]["trainer"]
+    _check_well_formed(result)
+    loaders, step = result["rows"][:-1], result["rows"][-1]
+    assert result["summary"]["num_records_written"] == TRAINER.num_records
+    assert [row["num_workers"] for row in loaders] == [0, 2]
+    for row in loaders:  # every record of every pass, with 0 or 2 workers, checksums verified, none skipped
+        assert row["records"] == TRAINER.num_records * TRAINER.loader_passes
+        assert row["ratio_to_step"] == pytest.approx(row["records_s"] / step["records_s"])
+    assert step["records"] == TRAINER.batch_size * TRAINER.train_steps and step["ratio_to_step"] == 1.0
+    assert math.isfinite(result["summary"]["final_loss"])
+    assert set(result["summary"]["pipeline_over_step"]) == {"0", "2"}
+
+
+def test_report_json_round_trips_and_markdown_has_a_row_per_item(report: dict, tmp_path: Path) -> None:
+    json_path, markdown_path = write_report(report, tmp_path / "out")
+    loaded = json.loads(json_path.read_text())
+    assert loaded == json.loads(json.dumps(report))
+    assert list(loaded["benchmarks"]) == ["codecs", "trainer"]  # the project's order, not the asked order
+    for key in ("cpu_model", "logical_cores", "ram_gib", "os", "python", "date"):
+        assert loaded["machine"][key]
+    assert loaded["machine"]["versions"]["torch"]
+    markdown = markdown_path.read_text()
+    assert markdown == render_markdown(loaded)  # bench.md is rebuilt from bench.json alone
+    sections = markdown.split("\n## ")[1:]
+    assert len(sections) == 2
+    for section, result in zip(sections, loaded["benchmarks"].values()):
+        table = [line for line in section.splitlines() if line.startswith("|")]
+        assert len(table) == 2 + len(result["rows"])  # header, separator, one line per measured item
+        assert all(line.count("|") == len(result["columns"]) + 1 for line in table)
+    assert "| raw | 1.000 |" in markdown
+
+
+def test_a_failing_benchmark_is_reported_and_the_run_goes_on(tmp_path: Path) -> None:
+    report = run_benchmarks(["codecs"], configs={"codecs": codecs.Config(source="no-such-source")},
+                            log=lambda line: None)
+    assert "unknown codec bench source 'no-such-source'" in report["benchmarks"]["codecs"]["error"]
+    _, markdown_path = write_report(report, tmp_path)
+    assert "**failed**: ValueError: unknown codec bench source" in markdown_path.read_text()
+
+
+def test_bench_command_rejects_an_unknown_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--only", "codecs,codec"])
+    assert exit_info.value.code == 2
+    assert "unknown benchmark 'codec'; available: codecs, collector, capture, trainer" in capsys.readouterr().err
