@@ -1,4 +1,4 @@
-# Two commands do all set-up on a fresh machine: `make test` (and, later, `make demo`).
+# `make demo` and `make test` do all set-up on a fresh machine; `make bench` prints the benchmark tables.
 # The virtual environment lives in .venv at the repo root and is (re)installed when its inputs change.
 
 PYTHON ?= python3.11
@@ -9,10 +9,18 @@ TORCH_SPEC ?= torch==2.13.0
 SGLANG_SPEC ?= sglang==0.5.23
 STAMP := $(VENV)/.installed
 
-.PHONY: test install clean-venv
+.PHONY: test demo bench install clean-venv
 
 test: $(STAMP)
 	$(VPY) -m pytest
+
+# The whole pipeline on this machine (about 5 minutes on 2 cores); an earlier demo-run/ is replaced.
+demo: $(STAMP)
+	$(VPY) -m eagle_tap.cli demo --out demo-run --replace
+
+# Every benchmark in one run: bench-results/bench.json and bench.md.
+bench: $(STAMP)
+	$(VPY) -m eagle_tap.cli bench --out bench-results
 
 install: $(STAMP)
 

@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "collector_service.cli",
     "client.cli",
     "trainer.cli",
+    "eagle_tap.demo.cli",
     "eagle_tap.bench.cli",
 )
 

@@ -1,0 +1,55 @@
+"""The `demo` subcommand. Imports nothing heavy at module level: the demo loads its parts when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+__all__ = ["add_commands"]
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from eagle_tap.cli import interrupt_on_signals
+    from eagle_tap.demo.run import Config, run_demo
+
+    from eagle_tap.demo import CONVERSATIONS_PATH
+
+    config = Config(out_dir=Path(args.out), replace=args.replace,
+                    conversations=Path(args.conversations) if args.conversations else CONVERSATIONS_PATH,
+                    num_conversations=args.num_conversations,
+                    heldout_every=args.heldout_every, max_new_tokens=args.max_new_tokens,
+                    train_steps=args.train_steps, ttt_steps=args.ttt_steps)
+    interrupt_on_signals()  # `kill` stops the demo as cleanly as Ctrl-C: every process it started is stopped
+    try:
+        summary = run_demo(config)
+    except KeyboardInterrupt:
+        print("eagle-tap demo: interrupted; every process it started was stopped", file=sys.stderr)
+        return 130
+    except ValueError as error:
+        print(f"eagle-tap demo: {error}", file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return 1 if summary["processes_left"] else 0
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    demo = subparsers.add_parser(
+        "demo", help="the whole pipeline on this machine: capture from a live CPU server, train, evaluate, export",
+        description="Start a collector and a CPU SGLang server with the capture plugin (bundled tiny target), fire "
+        "the bundled conversations in --regenerate mode while ordinary chat traffic keeps coming, stop both, "
+        "then build the vocab mapping, train a draft briefly, evaluate it against baselines and export it. "
+        "Prints a summary and writes OUT/summary.json. About 4 minutes on 2 cores.",
+    )
+    demo.add_argument("--out", default="demo-run", help="folder for everything the demo writes (default demo-run)")
+    demo.add_argument("--replace", action="store_true", help="delete an earlier demo's folder at --out first")
+    demo.add_argument("--conversations", help="JSONL of OpenAI `messages` rows to fire (default: the bundled set)")
+    demo.add_argument("--num-conversations", type=int, help="use only the first N bundled conversations")
+    demo.add_argument("--heldout-every", type=int, default=8, help="hold out every N-th conversation (default 8)")
+    demo.add_argument("--max-new-tokens", type=int, default=128, help="longest regenerated turn (default 128)")
+    demo.add_argument("--train-steps", type=int, default=600, help="training steps (default 600)")
+    demo.add_argument("--ttt-steps", type=int, default=7, help="test-time-training unroll while training (default 7)")
+    demo.set_defaults(run=_demo)

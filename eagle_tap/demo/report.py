@@ -1,0 +1,60 @@
+"""The demo's closing summary, as text, from the summary dict that `run_demo` writes to summary.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["format_summary"]
+
+
+def _mb(num_bytes: int) -> str:
+    return f"{num_bytes / 1e6:,.1f} MB"
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    capture, training, evaluation = summary["capture"], summary["training"], summary["evaluation"]
+    target, conversations = summary["target"], summary["conversations"]
+    stored = {key: sum(part[key] for part in capture["collector"].values())
+              for key in ("num_records", "num_tokens", "raw_nbytes", "stored_nbytes", "frame_nbytes")}
+    loss_tokens = sum(part["num_loss_tokens"] for part in capture["fire"].values())
+    failed = sum(part["records_by_state"]["failed"] for part in capture["fire"].values())
+    dropped = sum(capture["plugin"].get("dropped", {}).values())
+    serving = capture["serving"]
+    latency = serving["latency_ms"]
+    left = summary["processes_left"]
+    out = Path(summary["out_dir"])
+    stopped = (f"every process it started is stopped ({capture['processes_started']} of "
+               f"{capture['processes_started']})" if not left else f"PROCESSES STILL RUNNING: {'; '.join(left)}")
+    rows = [
+        ("target", f"{Path(target['path']).name}: {target['num_layers']} layers, hidden {target['hidden_size']}, "
+                   f"vocab {target['vocab_size']:,} (sha256 {target['sha256'][:12]}... matches its build)"),
+        ("conversations", f"{conversations['train']} to train + {conversations['heldout']} held out, answered by the "
+                          f"target itself (fire --regenerate)"),
+        ("captured", f"{stored['num_records']:,} records, {stored['num_tokens']:,} tokens ({loss_tokens:,} in loss "
+                     f"spans); {failed} records failed, {dropped} dropped by the plugin"),
+        ("stored", f"states {_mb(stored['raw_nbytes'])} raw -> {_mb(stored['stored_nbytes'])} compressed "
+                   f"({stored['raw_nbytes'] / max(stored['stored_nbytes'], 1):.2f}x); {_mb(stored['frame_nbytes'])} "
+                   f"on disk with ids, masks and checksums"),
+        ("serving", f"{serving['num_answered']:,} ordinary chat requests answered during capture, "
+                    f"{serving['num_failed']} failed (latency p50 {latency['p50']} ms, p95 {latency['p95']} ms, "
+                    f"{serving['concurrency']} clients)"),
+        ("training", f"{training['steps']} steps, loss {training['first_loss']:.3f} -> {training['last_loss']:.3f}; "
+                     f"held-out step-0 accuracy {training['heldout_step_accuracy'][0]:.3f}; draft vocab "
+                     f"{training['draft_vocab_size']:,} covers {training['vocab_coverage']:.1%} of loss tokens"),
+        ("evaluation", f"{evaluation['num_records']} held-out records, {evaluation['num_start_positions']:,} start "
+                       f"positions (simulated greedy chain drafting)"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = ["", f"eagle-tap demo finished in {summary['wall_s']:.0f} s; {stopped}.", ""]
+    lines += [f"{name:<{width}}  {value}" for name, value in rows]
+    lines += ["", evaluation["table"], ""]
+    timings = ", ".join(f"{stage} {seconds:.0f} s" for stage, seconds in summary["timings_s"].items())
+    lines += [
+        f"{'time':<{width}}  {timings}",
+        f"{'export':<{width}}  {summary['export']['path']} ({', '.join(summary['export']['files'])})",
+        f"{'plots':<{width}}  {', '.join(training['plots'] + [evaluation['plot'], str(out / 'vocab' / 'coverage.png')])}",
+        f"{'captures':<{width}}  {capture['shards']['train']} (train), {capture['shards']['heldout']} (held out)",
+        f"{'logs':<{width}}  {out / 'logs'}; everything above: {out / 'summary.json'}",
+    ]
+    return "\n".join(lines)

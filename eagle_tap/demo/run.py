@@ -1,0 +1,337 @@
+"""`eagle-tap demo`: the whole pipeline on this machine, from a live server to a draft SGLang can serve.
+
+Stages (each timed; all files under one out_dir):
+1. split the bundled conversations into a training and a held-out set (every `heldout_every`-th one);
+2. start a collector and a CPU SGLang server with the capture plugin, serving the bundled tiny target;
+3. while ordinary untagged chat requests keep coming, `fire --regenerate` the training set (the target
+   answers each turn, the plugin captures prompt + answer); then restart the collector on the same
+   port with a second data directory and fire the held-out set, so the two never share a shard;
+4. stop every process the demo started;
+5. vocab mapping, draft config, a short training run, offline evaluation against the baselines, export.
+
+What must hold: every process started is stopped on success, on error and on Ctrl-C (checked at the
+end: `summary["processes_left"]` is empty); out_dir is only ever replaced when it holds a demo's own
+marker file; the summary's numbers come from the collector's and trainer's own reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import secrets
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from eagle_tap.demo import CONVERSATIONS_PATH
+
+__all__ = ["Config", "run_demo"]
+
+MARKER_NAME = ".eagle-tap-demo"
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Config:
+    """One demo run."""
+
+    out_dir: Path
+    """Everything the demo writes goes here (captures, runs, logs, export, summary.json)."""
+    replace: bool = False
+    """Delete out_dir first when it holds an earlier demo (never a folder the demo did not make)."""
+    conversations: Path = CONVERSATIONS_PATH
+    """JSONL conversations to fire (OpenAI `messages` rows)."""
+    num_conversations: int | None = None
+    """Use only the first N conversations (None: all)."""
+    heldout_every: int = 8
+    """Every N-th conversation is held out for evaluation and never trained on."""
+    max_new_tokens: int = 128
+    """Longest regenerated assistant turn."""
+    fire_concurrency: int = 8
+    """Conversations in flight while firing."""
+    serving_concurrency: int = 2
+    """Threads sending ordinary untagged chat requests during capture."""
+    draft_vocab_size: int = 1024
+    """Draft vocabulary (shrunk to the distinct tokens seen when fewer)."""
+    train_steps: int = 600
+    """Optimizer steps of the training run."""
+    ttt_steps: int = 7
+    """Test-time-training unroll length while training."""
+    batch_size: int = 8
+    max_length: int = 512
+    learning_rate: float = 3e-3
+    seed: int = 0
+
+
+def run_demo(config: Config) -> dict[str, Any]:
+    """Runs every stage, prints the summary, writes out_dir/summary.json and returns it."""
+    out = prepare_out_dir(config.out_dir, replace=config.replace)
+    started_s = time.monotonic()
+    timings: dict[str, float] = {}
+    summary: dict[str, Any] = {"out_dir": str(out), "target": verify_target()}
+    train_data, heldout_data = split_conversations(config, out / "data")
+    summary["conversations"] = {"train": count_lines(train_data), "heldout": count_lines(heldout_data),
+                                "source": str(config.conversations)}
+    with _timed(timings, "capture"):
+        summary["capture"] = capture(config, out, train_data, heldout_data)
+    with _timed(timings, "train"):
+        summary["training"] = train_draft(config, out)
+    with _timed(timings, "eval"):
+        summary["evaluation"] = evaluate_draft(config, out)
+    with _timed(timings, "export"):
+        summary["export"] = export_draft(out)
+    summary["timings_s"] = timings
+    summary["wall_s"] = round(time.monotonic() - started_s, 1)
+    summary["processes_left"] = summary["capture"]["processes_left"] + still_running(descendants())
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    from eagle_tap.demo.report import format_summary
+
+    print(format_summary(summary), flush=True)
+    return summary
+
+
+@contextlib.contextmanager
+def _timed(timings: dict[str, float], stage: str) -> Iterator[None]:
+    print(f"\n=== {stage} ===", flush=True)
+    started_s = time.monotonic()
+    yield
+    timings[stage] = round(time.monotonic() - started_s, 1)
+
+
+def prepare_out_dir(out: Path, *, replace: bool) -> Path:
+    """An empty out_dir marked as the demo's; an earlier demo's is removed only with replace=True."""
+    out = out.resolve()
+    if out.exists() and any(out.iterdir()):
+        if not (out / MARKER_NAME).exists():
+            raise ValueError(f"{out} exists and is not a demo folder; choose another --out")
+        if not replace:
+            raise ValueError(f"{out} holds an earlier demo; pass --replace to delete it, or choose another --out")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER_NAME).write_text("made by `eagle-tap demo`; --replace may delete this folder\n")
+    return out
+
+
+def verify_target() -> dict[str, Any]:
+    """The bundled tiny target, checked against the digest its build recorded."""
+    from eagle_tap.tiny_model import TINY_MODEL_DIR
+
+    info = json.loads((TINY_MODEL_DIR / "BUILD_INFO.json").read_text(encoding="utf-8"))
+    digest = hashlib.sha256((TINY_MODEL_DIR / "model.safetensors").read_bytes()).hexdigest()
+    if digest != info["model_safetensors_sha256"]:
+        raise ValueError(f"{TINY_MODEL_DIR}/model.safetensors does not match BUILD_INFO.json (sha256 {digest}); "
+                         f"rebuild it with `{info['build_command']}`")
+    model = json.loads((TINY_MODEL_DIR / "config.json").read_text(encoding="utf-8"))
+    return {"path": str(TINY_MODEL_DIR), "sha256": digest, "num_layers": model["num_hidden_layers"],
+            "hidden_size": model["hidden_size"], "vocab_size": model["vocab_size"],
+            "build_command": info["build_command"]}
+
+
+def split_conversations(config: Config, data_dir: Path) -> tuple[Path, Path]:
+    """train.jsonl and heldout.jsonl: every heldout_every-th row is held out."""
+    if config.heldout_every < 2:
+        raise ValueError(f"heldout_every must be at least 2, not {config.heldout_every}")
+    rows = [line for line in config.conversations.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = rows[: config.num_conversations]
+    heldout = rows[config.heldout_every - 1 :: config.heldout_every]
+    train = [row for number, row in enumerate(rows, start=1) if number % config.heldout_every]
+    if not heldout or not train:
+        raise ValueError(f"{len(rows)} conversations cannot make both a training and a held-out set "
+                         f"(every {config.heldout_every}th is held out)")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    paths = data_dir / "train.jsonl", data_dir / "heldout.jsonl"
+    for path, part in zip(paths, (train, heldout)):
+        path.write_text("\n".join(part) + "\n", encoding="utf-8")
+    return paths
+
+
+def count_lines(path: Path) -> int:
+    return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+
+
+def user_questions(path: Path) -> list[str]:
+    """The first user message of every conversation: the ordinary traffic's prompts."""
+    questions = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        messages = json.loads(line)["messages"]
+        questions += [message["content"] for message in messages if message["role"] == "user"][:1]
+    return questions
+
+
+def capture(config: Config, out: Path, train_data: Path, heldout_data: Path) -> dict[str, Any]:
+    """Stages 2-4: collector + server with the plugin, both fire runs under ordinary traffic, everything stopped."""
+    from eagle_tap.demo.traffic import ServingTraffic
+    from eagle_tap.sglang_server import ServerConfig, SGLangServer, free_port
+    from eagle_tap.tiny_model import TINY_MODEL_DIR
+
+    token = secrets.token_hex(16)
+    collector_port = free_port()
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    plugin_env = {"EAGLE_TAP_COLLECTOR_URL": f"http://127.0.0.1:{collector_port}", "EAGLE_TAP_TOKEN": token,
+                  "EAGLE_TAP_SPOOL_DIR": str(out / "spool")}
+    result: dict[str, Any] = {"collector": {}, "fire": {}}
+    started: dict[int, Any] = {}  # every process seen below us once all are up: the stops must end them all
+
+    def remember() -> None:
+        started.update((process.pid, process) for process in descendants())
+
+    with contextlib.ExitStack() as stack:
+        collector = _start_collector(stack, out / "captures" / "train", collector_port, token)
+        print(f"collector {collector.url} -> {collector.data_dir}", flush=True)
+        print("starting SGLang (CPU) with the capture plugin ...", flush=True)
+        server = SGLangServer(ServerConfig(model_path=TINY_MODEL_DIR, env=plugin_env, log_path=logs / "sglang.log"))
+        stack.enter_context(server)
+        remember()
+        print(f"SGLang {server.url} (log: {logs / 'sglang.log'})", flush=True)
+        traffic = ServingTraffic(server.url, user_questions(heldout_data), concurrency=config.serving_concurrency)
+        stack.callback(traffic.stop)
+        traffic.start()
+        for name, data_path in (("train", train_data), ("heldout", heldout_data)):
+            if name == "heldout":  # a fresh data directory on the same port: the held-out set gets its own shards
+                result["collector"]["train"] = _stop_collector(collector, token)
+                collector = _start_collector(stack, out / "captures" / "heldout", collector_port, token)
+                remember()
+                print(f"collector restarted -> {collector.data_dir}", flush=True)
+            print(f"firing the {name} conversations (--regenerate) ...", flush=True)
+            result["fire"][name] = _fire(config, server.url, collector.url, token, data_path, out / "runs" / f"fire-{name}")
+        result["collector"]["heldout"] = _stop_collector(collector, token)
+        result["serving"] = traffic.stop()
+        result["plugin"] = _plugin_stats(out / "spool")
+    result["processes_started"] = len(started)
+    result["processes_left"] = still_running(list(started.values()))
+    result["shards"] = {name: str(out / "captures" / name) for name in ("train", "heldout")}
+    return result
+
+
+def _start_collector(stack: contextlib.ExitStack, data_dir: Path, port: int, token: str):
+    from eagle_tap.collector_process import CollectorProcess
+
+    # The token goes through the environment: a --token flag would show in the process list.
+    collector = CollectorProcess(data_dir, port=port, env={"EAGLE_TAP_COLLECTOR_TOKEN": token})
+    stack.callback(collector.stop)
+    return collector
+
+
+def _stop_collector(collector, token: str) -> dict[str, Any]:
+    """The collector's own totals, read just before it is stopped (SIGTERM seals its open shard)."""
+    import httpx
+
+    response = httpx.get(f"{collector.url}/v1/stats", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    response.raise_for_status()
+    collector.stop()
+    stats = response.json()
+    return {key: stats[key] for key in ("num_records", "num_tokens", "raw_nbytes", "stored_nbytes", "frame_nbytes",
+                                        "compression_ratio", "num_duplicates", "num_rejects", "durability")}
+
+
+def _fire(config: Config, server_url: str, collector_url: str, token: str, data_path: Path, run_dir: Path):
+    from client.endpoints import HttpConfig
+    from client.fire import FireConfig, run_fire
+    from client.regenerate import SamplingConfig
+
+    fire_config = FireConfig(
+        server_url=server_url, collector_url=collector_url, data_path=data_path, run_dir=run_dir, mode="regenerate",
+        run_id=f"demo-{data_path.stem}", concurrency=config.fire_concurrency, collector_token=token,
+        sampling=SamplingConfig(temperature=0.7, max_new_tokens=config.max_new_tokens),
+        http=HttpConfig(max_connections=2 * config.fire_concurrency + 4))
+    exit_code = run_fire(fire_config)
+    if exit_code == 130:
+        raise KeyboardInterrupt
+    totals = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))["totals"]
+    if totals["records_by_state"]["confirmed"] == 0:
+        raise RuntimeError(f"no record of {data_path.name} was confirmed by the collector; see {run_dir}")
+    return {"exit_code": exit_code, "run_dir": str(run_dir), "num_samples": totals["num_samples"],
+            "num_records": totals["num_records"], "num_tokens": totals["num_tokens"],
+            "num_loss_tokens": totals["num_loss_tokens"], "records_by_state": totals["records_by_state"],
+            "failed_by_reason": totals["failed_by_reason"]}
+
+
+def _plugin_stats(spool_dir: Path, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The plugin's counters as of now: its stats file is rewritten about once a second, so wait for a newer one."""
+    path, asked_at = spool_dir / "dp0" / "stats.json", time.time()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+        if stats.get("updated_at", 0) > asked_at or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
+def train_draft(config: Config, out: Path) -> dict[str, Any]:
+    """Vocab mapping from the training captures, draft config, and a short training run."""
+    from trainer.config_io import config_from_dict
+    from trainer.draft_config import build_draft_config
+    from trainer.train import Config as TrainConfig
+    from trainer.train import train
+    from trainer.vocab import build_vocab_mapping, coverage_report
+
+    from eagle_tap.tiny_model import TINY_MODEL_DIR
+
+    shards = out / "captures" / "train"
+    mapping, counts = build_vocab_mapping(target_dir=TINY_MODEL_DIR, draft_vocab_size=config.draft_vocab_size,
+                                          out_dir=out / "vocab", shard_dir=shards, if_fewer="shrink")
+    print(coverage_report(counts, mapping), flush=True)
+    draft_config = build_draft_config(TINY_MODEL_DIR, draft_vocab_size=int(mapping.d2t.size))
+    draft_config_path = out / "draft-config.json"
+    draft_config_path.write_text(json.dumps(draft_config, indent=2) + "\n", encoding="utf-8")
+    run_dir = out / "runs" / "train"
+    settings = {
+        "target": str(TINY_MODEL_DIR), "draft_config": str(draft_config_path), "vocab": str(out / "vocab"),
+        "out_dir": str(run_dir), "seed": config.seed,
+        "data": {"shards": str(shards), "batch_size": config.batch_size, "max_length": config.max_length,
+                 "seed": config.seed},
+        "objective": {"ttt_steps": config.ttt_steps},
+        "optimizer": {"learning_rate": config.learning_rate, "warmup_steps": max(1, config.train_steps // 10)},
+        "num_steps": config.train_steps, "log_every": max(1, config.train_steps // 20), "checkpoint_every": 0,
+        "eval_shards": str(out / "captures" / "heldout"), "eval_every": 0,
+    }
+    summary = train(config_from_dict(TrainConfig, settings))
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    logged = [line for line in lines if line["kind"] == "train"]
+    return {"run_dir": str(run_dir), "steps": summary["step"], "draft_vocab_size": int(mapping.d2t.size),
+            "vocab_coverage": mapping.meta["coverage"], "num_loss_tokens_counted": int(counts.sum()),
+            "first_loss": logged[0]["loss"], "last_loss": logged[-1]["loss"],
+            "last_step0_accuracy": logged[-1]["step_accuracy"][0],
+            "heldout_step_accuracy": summary["eval"]["step_accuracy"],
+            "plots": [str(run_dir / name) for name in ("loss.png", "accuracy.png")]}
+
+
+def evaluate_draft(config: Config, out: Path) -> dict[str, Any]:
+    from trainer.evaluate import evaluate, format_table, write_result
+
+    result = evaluate(out / "runs" / "train", out / "captures" / "heldout", max_length=config.max_length)
+    path = write_result(result, out / "runs" / "eval")
+    return {"eval_json": str(path), "plot": str(path.parent / "acceptance.png"), "table": format_table(result),
+            "num_records": result["num_records"], "num_start_positions": result["num_start_positions"],
+            "acceptance_length": {name: values["acceptance_length"] for name, values in result["drafts"].items()},
+            "step_accuracy": {name: values["step_accuracy"] for name, values in result["drafts"].items()}}
+
+
+def export_draft(out: Path) -> dict[str, Any]:
+    from trainer.export import export
+
+    folder = export(out / "runs" / "train", out / "draft", eval_result=out / "runs" / "eval" / "eval.json")
+    return {"path": str(folder), "files": sorted(path.name for path in folder.iterdir())}
+
+
+def descendants() -> list:
+    """Every process this one started, and theirs (psutil.Process objects)."""
+    import psutil
+
+    return psutil.Process().children(recursive=True)
+
+
+def still_running(processes: list) -> list[str]:
+    """'pid command' of each process that is still running (an exited zombie does not count)."""
+    import psutil
+
+    left = []
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{process.pid} {' '.join(process.cmdline())[:120]}")
+    return left

@@ -1,0 +1,114 @@
+"""`eagle-tap demo` end to end, as a user runs it (a subprocess), on a small slice of the bundled conversations.
+
+What the demo claims is checked against the parts themselves: the shards on disk, the collector's
+totals, the export folder, and the machine's process table after it exits (or after it is killed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import capture_format as cf
+from capture_format.shard_index import SEALED_SUFFIX
+from eagle_tap.cli import main
+from eagle_tap.demo.run import MARKER_NAME
+
+pytestmark = pytest.mark.sglang
+
+BYTES_PER_TOKEN = 4 * 128 * 2 + 4  # 3 capture layers + the final state, hidden 128, bf16; plus the int32 token id
+
+
+def demo_command(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "eagle_tap.cli", "demo", "--out", str(out), "--num-conversations", "24",
+            "--heldout-every", "4", "--max-new-tokens", "32", "--train-steps", "8", "--ttt-steps", "2", *extra]
+
+
+def processes_of(out: Path) -> list[str]:
+    """Processes anywhere on the machine that belong to the demo at `out` (by command line or plugin settings)."""
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            command = " ".join(process.info["cmdline"] or [])
+            spool = process.environ().get("EAGLE_TAP_SPOOL_DIR", "")
+        except psutil.Error:
+            continue
+        if process.pid != os.getpid() and (str(out) in command or spool.startswith(str(out))):
+            found.append(f"{process.pid} {command[:100]}")
+    return found
+
+
+def record_ids(shard_dir: Path) -> set[str]:
+    with cf.ShardDirectory(shard_dir) as shards:
+        return {entry.record_id for entry in shards.iter_index()}
+
+
+def test_the_demo_runs_every_stage_and_leaves_no_process(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    done = subprocess.run(demo_command(out), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "eagle-tap demo finished" in done.stdout and "every process it started is stopped" in done.stdout
+    assert processes_of(out) == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["processes_left"] == [] and summary["capture"]["processes_started"] >= 3  # server tree + collector
+
+    # 24 conversations: every 4th held out; each one record, confirmed, in its own shard directory.
+    capture = summary["capture"]
+    assert summary["conversations"] == {"train": 18, "heldout": 6, "source": summary["conversations"]["source"]}
+    train_ids, heldout_ids = record_ids(out / "captures" / "train"), record_ids(out / "captures" / "heldout")
+    assert len(train_ids) == 18 and len(heldout_ids) == 6 and not train_ids & heldout_ids
+    for name, ids in (("train", train_ids), ("heldout", heldout_ids)):
+        stored, fired = capture["collector"][name], capture["fire"][name]
+        assert fired["records_by_state"]["confirmed"] == stored["num_records"] == len(ids)
+        assert stored["num_tokens"] == fired["num_tokens"] and stored["raw_nbytes"] == stored["num_tokens"] * BYTES_PER_TOKEN
+        assert stored["stored_nbytes"] < stored["raw_nbytes"]
+        shards = sorted((out / "captures" / name).glob(f"*{SEALED_SUFFIX}"))
+        assert shards and all(cf.verify_shard(shard).ok for shard in shards)
+    assert capture["plugin"]["dropped"] == {} and capture["plugin"]["captured"] == 24
+
+    # Ordinary traffic was answered all along, and none of it was captured.
+    assert capture["serving"]["num_answered"] > 0 and capture["serving"]["num_failed"] == 0
+
+    training, evaluation = summary["training"], summary["evaluation"]
+    assert training["steps"] == 8 and all(Path(plot).stat().st_size > 1000 for plot in training["plots"])
+    result = json.loads(Path(evaluation["eval_json"]).read_text())
+    assert result["num_records"] == 6 and result["held_out"]
+    assert sorted(summary["export"]["files"]) == ["README.md", "config.json", "model.safetensors"]
+    config = json.loads((out / "draft" / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+
+    # Running it again at the same folder needs --replace (the folder is the demo's own).
+    assert main(["demo", "--out", str(out)]) == 2
+    assert (out / "summary.json").exists()
+
+
+def test_a_killed_demo_stops_every_process_it_started(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    demo = subprocess.Popen(demo_command(out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "runs" / "fire-train" / "manifest.sqlite").exists():  # the server is up and firing
+            assert demo.poll() is None and time.monotonic() < deadline, "the demo never started firing"
+            time.sleep(0.5)
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(timeout=120) == 130
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert "interrupted" in demo.stderr.read()
+    assert processes_of(out) == []
+
+
+def test_the_demo_never_deletes_a_folder_it_did_not_make(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(["demo", "--out", str(tmp_path), "--replace"]) == 2
+    assert "is not a demo folder" in capsys.readouterr().err
+    assert (tmp_path / "notes.txt").read_text() == "mine" and not (tmp_path / MARKER_NAME).exists()
