@@ -48,9 +48,11 @@ class OptimizerConfig:
     min_learning_rate_ratio: float = 0.1
     """The cosine ends at learning_rate * this at num_steps."""
     warmup_steps: int = 100
+    """Steps of linear warmup from 0 to learning_rate."""
     weight_decay: float = 0.0
     """Applied to matrices only, never to norms."""
     betas: tuple[float, ...] = (0.9, 0.95)
+    """AdamW's (beta1, beta2)."""
     grad_clip_norm: float = 0.5
     """Clip the global gradient norm to this (0: no clipping)."""
 
@@ -75,16 +77,21 @@ class Config:
     stop_after_steps: int | None = None
     """Stop this invocation after so many steps (a job's time slot); --resume continues."""
     grad_accumulation_steps: int = 1
+    """Batches per optimizer step (gradients summed, averaged over them)."""
     init_lm_head_from_target: bool = True
     """Start lm_head from the target's lm_head rows of the draft vocab (else random)."""
     checkpoint_every: int = 500
     """Steps between checkpoints (0: only at the end)."""
     keep_checkpoints: int = 2
+    """Newest checkpoints kept; older ones are deleted."""
     log_every: int = 10
+    """Steps between lines of metrics.jsonl (the last step is always logged)."""
     eval_shards: str | None = None
     """Held-out shard directory: per-step accuracy every eval_every steps and at the end."""
     eval_every: int = 0
+    """Steps between held-out evaluations during training (0: only at the end)."""
     eval_max_batches: int = 100
+    """Held-out batches read per evaluation, at most."""
     seed: int = 0
     """Seeds the draft's initialisation (the data order has its own seed in data.seed)."""
     device: str = "auto"
@@ -94,6 +101,7 @@ class Config:
     num_threads: int | None = None
     """torch CPU threads per process (None: torch's default)."""
     progress_bar: bool = True
+    """Show a tqdm bar on the main rank."""
     log_record_ids: bool = False
     """Write the ids of the records each rank trained on to out_dir/record_ids.rank<r>.txt."""
 
