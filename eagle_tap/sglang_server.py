@@ -74,6 +74,15 @@ class ServerConfig:
     """Where the server's stdout+stderr go; a temp file when None."""
 
 
+def post_json(url: str, payload: dict, timeout_s: float = 120) -> dict:
+    """POST payload as JSON (e.g. to a server's /generate) and return the JSON answer."""
+    import json
+
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

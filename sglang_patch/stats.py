@@ -14,6 +14,17 @@ import time
 from pathlib import Path
 
 
+def read_stats_file(path: Path, *, newer_than: float | None = None, timeout_s: float = 10.0) -> dict:
+    """The counters a stats file holds ({} while there is none). With newer_than (a `time.time()`), waits up
+    to timeout_s for a snapshot written after it, since the file is rewritten only about once a second."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+        if newer_than is None or stats.get("updated_at", 0) > newer_than or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
 class CaptureStats:
     """Thread-safe counters; `snapshot()` is what the stats file holds."""
 

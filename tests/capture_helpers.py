@@ -14,12 +14,8 @@ import numpy as np
 from capture_format import decode_frame, float32_from_bfloat16_bits
 from capture_format.tag import CaptureTag
 from eagle_tap.collector_process import CollectorProcess
-
-
-def post_json(url: str, payload: dict, timeout_s: float = 120) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        return json.loads(response.read())
+from eagle_tap.sglang_server import post_json
+from sglang_patch.stats import read_stats_file
 
 
 def generate(server, input_ids: list[int], *, record_id: str | None = None, spans=None, max_new_tokens: int = 1,
@@ -39,8 +35,7 @@ def generate(server, input_ids: list[int], *, record_id: str | None = None, span
 
 def read_stats(spool_dir: Path, rank_dir: str = "dp0") -> dict:
     """The plugin's stats file of one data-parallel rank (`rank_dir=""`: the dormant-status file at the top)."""
-    path = spool_dir / rank_dir / "stats.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    return read_stats_file(spool_dir / rank_dir / "stats.json")
 
 
 def wait_for(predicate, timeout_s: float = 60.0, what: str = "condition"):

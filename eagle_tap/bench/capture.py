@@ -24,7 +24,8 @@ from typing import Any
 
 from capture_format.tag import CaptureTag
 from eagle_tap.collector_process import CollectorProcess
-from eagle_tap.sglang_server import ServerConfig, SGLangServer
+from sglang_patch.stats import read_stats_file
+from eagle_tap.sglang_server import ServerConfig, SGLangServer, post_json
 from eagle_tap.tiny_model import TINY_MODEL_DIR
 
 COLUMNS = [
@@ -55,13 +56,6 @@ class Config:
         return cls(rounds=3)
 
 
-def post(url: str, payload: dict) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=600) as response:
-        return json.loads(response.read())
-
-
 def prompts(model_dir: Path, num_requests: int, num_tokens: int) -> list[list[int]]:
     """num_requests overlapping windows of num_tokens tokens of a Python source file."""
     from transformers import AutoTokenizer
@@ -82,10 +76,10 @@ def run_round(server: SGLangServer, batch: list[list[int]], round_name: str, con
     def one(index_ids: tuple[int, list[int]]) -> None:
         index, ids = index_ids
         tag = CaptureTag(record_id=f"{round_name}-{index}", sample_id=f"s{index}", loss_spans=((0, len(ids)),))
-        post(f"{server.url}/generate", {
+        post_json(f"{server.url}/generate", {
             "input_ids": ids, "cache_salt": uuid.uuid4().hex,
             "sampling_params": {"max_new_tokens": 1, "temperature": 0, "custom_params": tag.to_custom_params()},
-        })
+        }, timeout_s=600)
 
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
@@ -122,8 +116,7 @@ def run(config: Config) -> dict[str, Any]:
             capturing_tps = run_round(capturing, batch, f"capturing-{round_number}", config.concurrency)
             rows.append({"round": round_number, "plain_tokens_s": plain_tps, "capturing_tokens_s": capturing_tps,
                          "ratio": capturing_tps / plain_tps})
-        time.sleep(2.0)  # the plugin's stats file is refreshed about once a second
-        plugin_stats = json.loads((spool_dir / "dp0" / "stats.json").read_text())
+        plugin_stats = read_stats_file(spool_dir / "dp0" / "stats.json", newer_than=time.time())
         with urllib.request.urlopen(f"{collector.url}/v1/stats", timeout=10) as response:
             collector_stats = json.loads(response.read())
     finally:
