@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 test: $(STAMP)
 	$(VPY) -m pytest
 
-# The whole pipeline on this machine (about 5 minutes on 2 cores); an earlier demo-run/ is replaced.
+# The whole pipeline on this machine (about 3 minutes on 2 cores); an earlier demo-run/ is replaced.
 demo: $(STAMP)
 	$(VPY) -m eagle_tap.cli demo --out demo-run --replace
 

@@ -9,10 +9,12 @@ subcommand runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from eagle_tap import __version__
@@ -27,17 +29,29 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    # Ignore a second Ctrl-C or TERM (e.g. `timeout` forwarding one more): it must not cut the stop short.
+def ignore_further_signals() -> None:
+    """Ignore Ctrl-C and TERM from now on (e.g. `timeout` forwarding one more): they must not cut a stop short."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    ignore_further_signals()
     raise KeyboardInterrupt
 
 
-def interrupt_on_signals() -> None:
-    """Turn Ctrl-C and TERM into KeyboardInterrupt, so `kill` unwinds and stops child processes like Ctrl-C."""
+@contextlib.contextmanager
+def interrupt_on_signals() -> Iterator[None]:
+    """Inside: Ctrl-C and TERM raise KeyboardInterrupt once (so `kill` unwinds and stops child processes like
+    Ctrl-C) and are ignored after that, until the stops are done. The previous handlers come back on exit."""
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -54,14 +68,13 @@ def _serve(args: argparse.Namespace) -> int:
     )
     server = SGLangServer(config)
     print(f"starting SGLang for {config.model_path} on {server.url} (log: {server.log_path or 'temp file'})", flush=True)
-    with server:
-        print(f"serving at {server.url}; Ctrl-C stops it and every process it started", flush=True)
-        interrupt_on_signals()
-        try:
+    try:
+        with interrupt_on_signals(), server:  # Ctrl-C, even during start-up, stops the whole tree
+            print(f"serving at {server.url}; Ctrl-C stops it and every process it started", flush=True)
             while True:
                 time.sleep(3600)
-        except KeyboardInterrupt:
-            pass
+    except KeyboardInterrupt:
+        pass
     return 0
 
 

@@ -20,12 +20,12 @@ class CollectorProcess:
     """A real collector (`python -m collector_service collect`) on a loopback port, stopped with `stop()`."""
 
     def __init__(self, data_dir: Path, port: int | None = None, extra_args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, log_path: Path | None = None) -> None:
         self.data_dir = data_dir
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         data_dir.parent.mkdir(parents=True, exist_ok=True)
-        self.log_path = data_dir.parent / f"collector-{self.port}.log"
+        self.log_path = log_path or data_dir.parent / f"collector-{self.port}.log"  # appended to
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "collector_service", "collect", "--data-dir", str(data_dir),
@@ -50,9 +50,14 @@ class CollectorProcess:
         raise RuntimeError(f"collector did not answer /healthz within {timeout_s:.0f} s: see {self.log_path}")
 
     def stop(self) -> None:
-        """Terminate the collector (it seals its open shard on SIGTERM) and wait; safe to call twice."""
+        """Terminate the collector (it seals its open shard on SIGTERM) and wait, killing it after 30 s; safe to call
+        twice."""
         if self.process.poll() is None:
             self.process.terminate()
-            self.process.wait(timeout=30)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # a collector that cannot seal in 30 s is killed; start-up recovers
+                self.process.kill()
+                self.process.wait()
         if not self._log.closed:
             self._log.close()

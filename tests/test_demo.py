@@ -20,6 +20,7 @@ import pytest
 import capture_format as cf
 from capture_format.shard_index import SEALED_SUFFIX
 from eagle_tap.cli import main
+from eagle_tap.demo import CONVERSATIONS_PATH
 from eagle_tap.demo.run import MARKER_NAME
 
 pytestmark = pytest.mark.sglang
@@ -105,6 +106,22 @@ def test_a_killed_demo_stops_every_process_it_started(tmp_path: Path) -> None:
             demo.kill()
     assert "interrupted" in demo.stderr.read()
     assert processes_of(out) == []
+
+
+def test_a_failed_capture_stops_the_demo_before_training_and_every_process(tmp_path: Path) -> None:
+    # A conversation longer than the target's context cannot be served: fire fails that record and exits 1. The
+    # demo must not go on to hold out (or train on) a set with a record missing or still in flight.
+    rows = [{"messages": [{"role": "user", "content": "alpha beta " * 1500}, {"role": "assistant", "content": "ok"}]}]
+    rows += [json.loads(line) for line in CONVERSATIONS_PATH.read_text().splitlines()[:3]]
+    conversations = tmp_path / "conversations.jsonl"
+    conversations.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "demo"
+    done = subprocess.run([*demo_command(out), "--conversations", str(conversations), "--num-conversations", "4",
+                           "--heldout-every", "2"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "fire of train.jsonl did not end with every record stored: 1 confirmed, 1 failed" in done.stderr
+    assert "every process it started is stopped" in done.stderr
+    assert processes_of(out) == [] and not (out / "runs" / "train").exists()
 
 
 def test_the_demo_never_deletes_a_folder_it_did_not_make(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

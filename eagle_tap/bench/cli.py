@@ -31,9 +31,9 @@ def _bench(args: argparse.Namespace) -> int:
     if args.codec_states:
         base = codecs.Config.quick() if args.quick else codecs.Config()
         configs["codecs"] = dataclasses.replace(base, source=args.codec_states)
-    interrupt_on_signals()  # TERM unwinds like Ctrl-C, so the servers and collectors a benchmark started stop
     try:
-        report = run_benchmarks(args.only, quick=args.quick, configs=configs)
+        with interrupt_on_signals():  # TERM unwinds like Ctrl-C, so the servers and collectors a benchmark started stop
+            report = run_benchmarks(args.only, quick=args.quick, configs=configs)
     except KeyboardInterrupt:
         print("eagle-tap bench: interrupted; nothing written", file=sys.stderr)
         return 130

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from pathlib import Path
 
@@ -12,28 +11,27 @@ __all__ = ["add_commands"]
 
 def _demo(args: argparse.Namespace) -> int:
     from eagle_tap.cli import interrupt_on_signals
-    from eagle_tap.demo.run import Config, run_demo
+    from eagle_tap.demo.run import Config, descendants, run_demo, still_running
 
-    from eagle_tap.demo import CONVERSATIONS_PATH
-
-    config = Config(out_dir=Path(args.out), replace=args.replace,
-                    conversations=Path(args.conversations) if args.conversations else CONVERSATIONS_PATH,
-                    num_conversations=args.num_conversations,
+    given = {"conversations": Path(args.conversations)} if args.conversations else {}
+    config = Config(out_dir=Path(args.out), replace=args.replace, num_conversations=args.num_conversations,
                     heldout_every=args.heldout_every, max_new_tokens=args.max_new_tokens,
-                    train_steps=args.train_steps, ttt_steps=args.ttt_steps)
-    interrupt_on_signals()  # `kill` stops the demo as cleanly as Ctrl-C: every process it started is stopped
+                    train_steps=args.train_steps, ttt_steps=args.ttt_steps, **given)
     try:
-        summary = run_demo(config)
+        with interrupt_on_signals():  # `kill` stops the demo as cleanly as Ctrl-C: every process it started stops
+            summary = run_demo(config)
     except KeyboardInterrupt:
-        print("eagle-tap demo: interrupted; every process it started was stopped", file=sys.stderr)
-        return 130
-    except ValueError as error:
-        print(f"eagle-tap demo: {error}", file=sys.stderr)
-        return 2
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    return 1 if summary["processes_left"] else 0
+        message, exit_code = "interrupted", 130
+    except ValueError as error:  # bad input or settings
+        message, exit_code = str(error), 2
+    except RuntimeError as error:  # a stage failed; its message says which and where to look
+        message, exit_code = str(error), 1
+    else:
+        return 1 if summary["processes_left"] else 0
+    left = still_running(descendants())
+    stopped = "every process it started is stopped" if not left else f"STILL RUNNING: {'; '.join(left)}"
+    print(f"eagle-tap demo: {message}; {stopped}", file=sys.stderr)
+    return exit_code
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -42,7 +40,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         description="Start a collector and a CPU SGLang server with the capture plugin (bundled tiny target), fire "
         "the bundled conversations in --regenerate mode while ordinary chat traffic keeps coming, stop both, "
         "then build the vocab mapping, train a draft briefly, evaluate it against baselines and export it. "
-        "Prints a summary and writes OUT/summary.json. About 4 minutes on 2 cores.",
+        "Prints a summary and writes OUT/summary.json. About 3 minutes on 2 cores.",
     )
     demo.add_argument("--out", default="demo-run", help="folder for everything the demo writes (default demo-run)")
     demo.add_argument("--replace", action="store_true", help="delete an earlier demo's folder at --out first")

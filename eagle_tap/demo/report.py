@@ -24,8 +24,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     latency = serving["latency_ms"]
     left = summary["processes_left"]
     out = Path(summary["out_dir"])
-    stopped = (f"every process it started is stopped ({capture['processes_started']} of "
-               f"{capture['processes_started']})" if not left else f"PROCESSES STILL RUNNING: {'; '.join(left)}")
+    stopped = (f"every process it started is stopped ({capture['processes_started']} processes)" if not left
+               else f"PROCESSES STILL RUNNING: {'; '.join(left)}")
     rows = [
         ("target", f"{Path(target['path']).name}: {target['num_layers']} layers, hidden {target['hidden_size']}, "
                    f"vocab {target['vocab_size']:,} (sha256 {target['sha256'][:12]}... matches its build)"),
@@ -39,7 +39,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("serving", f"{serving['num_answered']:,} ordinary chat requests answered during capture, "
                     f"{serving['num_failed']} failed (latency p50 {latency['p50']} ms, p95 {latency['p95']} ms, "
                     f"{serving['concurrency']} clients)"),
-        ("training", f"{training['steps']} steps, loss {training['first_loss']:.3f} -> {training['last_loss']:.3f}; "
+        ("training", f"{training['steps']} steps, loss {training['first_loss']:.3f} at step "
+                     f"{training['first_loss_step']} -> {training['last_loss']:.3f}; "
                      f"held-out step-0 accuracy {training['heldout_step_accuracy'][0]:.3f}; draft vocab "
                      f"{training['draft_vocab_size']:,} covers {training['vocab_coverage']:.1%} of loss tokens"),
         ("evaluation", f"{evaluation['num_records']} held-out records, {evaluation['num_start_positions']:,} start "
@@ -55,6 +56,6 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{'export':<{width}}  {summary['export']['path']} ({', '.join(summary['export']['files'])})",
         f"{'plots':<{width}}  {', '.join(training['plots'] + [evaluation['plot'], str(out / 'vocab' / 'coverage.png')])}",
         f"{'captures':<{width}}  {capture['shards']['train']} (train), {capture['shards']['heldout']} (held out)",
-        f"{'logs':<{width}}  {out / 'logs'}; everything above: {out / 'summary.json'}",
+        f"{'logs':<{width}}  {out / 'logs'} (sglang.log, collector.log); every number above: {out / 'summary.json'}",
     ]
     return "\n".join(lines)

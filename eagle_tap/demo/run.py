@@ -61,9 +61,13 @@ class Config:
     ttt_steps: int = 7
     """Test-time-training unroll length while training."""
     batch_size: int = 8
+    """Records per training batch."""
     max_length: int = 512
+    """Positions per record in training and evaluation (the bundled conversations are shorter)."""
     learning_rate: float = 3e-3
+    """Peak learning rate (a tiny draft on little data learns fast)."""
     seed: int = 0
+    """Seeds the draft's initialisation and the data order."""
 
 
 def run_demo(config: Config) -> dict[str, Any]:
@@ -134,6 +138,8 @@ def split_conversations(config: Config, data_dir: Path) -> tuple[Path, Path]:
     """train.jsonl and heldout.jsonl: every heldout_every-th row is held out."""
     if config.heldout_every < 2:
         raise ValueError(f"heldout_every must be at least 2, not {config.heldout_every}")
+    if config.num_conversations is not None and config.num_conversations < 2:
+        raise ValueError(f"num_conversations must be at least 2, not {config.num_conversations}")
     rows = [line for line in config.conversations.read_text(encoding="utf-8").splitlines() if line.strip()]
     rows = rows[: config.num_conversations]
     heldout = rows[config.heldout_every - 1 :: config.heldout_every]
@@ -153,11 +159,15 @@ def count_lines(path: Path) -> int:
 
 
 def user_questions(path: Path) -> list[str]:
-    """The first user message of every conversation: the ordinary traffic's prompts."""
+    """The first user message of every conversation (read as `fire` reads them): the ordinary traffic's prompts."""
+    from client.conversations import Conversation, read_conversations
+
     questions = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        messages = json.loads(line)["messages"]
-        questions += [message["content"] for message in messages if message["role"] == "user"][:1]
+    for item in read_conversations(path):
+        if isinstance(item, Conversation):
+            questions += [message["content"] for message in item.messages if message["role"] == "user"][:1]
+    if not questions:
+        raise ValueError(f"{path} holds no conversation with a user message")
     return questions
 
 
@@ -184,11 +194,11 @@ def capture(config: Config, out: Path, train_data: Path, heldout_data: Path) -> 
         print(f"collector {collector.url} -> {collector.data_dir}", flush=True)
         print("starting SGLang (CPU) with the capture plugin ...", flush=True)
         server = SGLangServer(ServerConfig(model_path=TINY_MODEL_DIR, env=plugin_env, log_path=logs / "sglang.log"))
+        traffic = ServingTraffic(server.url, user_questions(heldout_data), concurrency=config.serving_concurrency)
+        stack.callback(traffic.stop)  # registered first, runs after the server's stop: no wait on a stuck server
         stack.enter_context(server)
         remember()
         print(f"SGLang {server.url} (log: {logs / 'sglang.log'})", flush=True)
-        traffic = ServingTraffic(server.url, user_questions(heldout_data), concurrency=config.serving_concurrency)
-        stack.callback(traffic.stop)
         traffic.start()
         for name, data_path in (("train", train_data), ("heldout", heldout_data)):
             if name == "heldout":  # a fresh data directory on the same port: the held-out set gets its own shards
@@ -211,7 +221,8 @@ def _start_collector(stack: contextlib.ExitStack, data_dir: Path, port: int, tok
     from eagle_tap.collector_process import CollectorProcess
 
     # The token goes through the environment: a --token flag would show in the process list.
-    collector = CollectorProcess(data_dir, port=port, env={"EAGLE_TAP_COLLECTOR_TOKEN": token})
+    collector = CollectorProcess(data_dir, port=port, env={"EAGLE_TAP_COLLECTOR_TOKEN": token},
+                                 log_path=data_dir.parent.parent / "logs" / "collector.log")
     stack.callback(collector.stop)
     return collector
 
@@ -239,26 +250,29 @@ def _fire(config: Config, server_url: str, collector_url: str, token: str, data_
         sampling=SamplingConfig(temperature=0.7, max_new_tokens=config.max_new_tokens),
         http=HttpConfig(max_connections=2 * config.fire_concurrency + 4))
     exit_code = run_fire(fire_config)
-    if exit_code == 130:
+    if exit_code == 130:  # fire took the signal itself; from here on the stops must not be cut short
+        from eagle_tap.cli import ignore_further_signals
+
+        ignore_further_signals()
         raise KeyboardInterrupt
     totals = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))["totals"]
-    if totals["records_by_state"]["confirmed"] == 0:
-        raise RuntimeError(f"no record of {data_path.name} was confirmed by the collector; see {run_dir}")
+    states = totals["records_by_state"]
+    if exit_code != 0:  # a record still in flight could land in the next (held-out) data directory
+        raise RuntimeError(f"fire of {data_path.name} did not end with every record stored: {states['confirmed']} "
+                           f"confirmed, {states['failed']} failed {totals['failed_by_reason']}, {states['served']} "
+                           f"served and {states['sent']} sent but unconfirmed; see {run_dir}/manifest.sqlite and "
+                           f"the logs in {run_dir.parent.parent / 'logs'}")
     return {"exit_code": exit_code, "run_dir": str(run_dir), "num_samples": totals["num_samples"],
             "num_records": totals["num_records"], "num_tokens": totals["num_tokens"],
             "num_loss_tokens": totals["num_loss_tokens"], "records_by_state": totals["records_by_state"],
             "failed_by_reason": totals["failed_by_reason"]}
 
 
-def _plugin_stats(spool_dir: Path, timeout_s: float = 10.0) -> dict[str, Any]:
-    """The plugin's counters as of now: its stats file is rewritten about once a second, so wait for a newer one."""
-    path, asked_at = spool_dir / "dp0" / "stats.json", time.time()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-        if stats.get("updated_at", 0) > asked_at or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.2)
+def _plugin_stats(spool_dir: Path) -> dict[str, Any]:
+    """The plugin's counters as of now (a snapshot written after this call)."""
+    from sglang_patch.stats import read_stats_file
+
+    return read_stats_file(spool_dir / "dp0" / "stats.json", newer_than=time.time())
 
 
 def train_draft(config: Config, out: Path) -> dict[str, Any]:
@@ -294,7 +308,7 @@ def train_draft(config: Config, out: Path) -> dict[str, Any]:
     logged = [line for line in lines if line["kind"] == "train"]
     return {"run_dir": str(run_dir), "steps": summary["step"], "draft_vocab_size": int(mapping.d2t.size),
             "vocab_coverage": mapping.meta["coverage"], "num_loss_tokens_counted": int(counts.sum()),
-            "first_loss": logged[0]["loss"], "last_loss": logged[-1]["loss"],
+            "first_loss": logged[0]["loss"], "first_loss_step": logged[0]["step"], "last_loss": logged[-1]["loss"],
             "last_step0_accuracy": logged[-1]["step_accuracy"][0],
             "heldout_step_accuracy": summary["eval"]["step_accuracy"],
             "plots": [str(run_dir / name) for name in ("loss.png", "accuracy.png")]}

@@ -21,7 +21,7 @@ class ServingTraffic:
     """Untagged chat requests in `concurrency` threads, from `start()` until `stop()`."""
 
     def __init__(self, server_url: str, questions: list[str], *, concurrency: int = 2, max_tokens: int = 32,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 60.0) -> None:
         if not questions:
             raise ValueError("serving traffic needs at least one question")
         self._url = f"{server_url}/v1/chat/completions"
@@ -75,7 +75,8 @@ class ServingTraffic:
         """Stops sending (waits for the requests in flight) and returns what was answered and failed."""
         self._stop.set()
         for thread in self._threads:
-            thread.join(timeout=self._timeout_s + 5)
+            if thread.ident is not None:  # started
+                thread.join(timeout=self._timeout_s + 5)
         self._wall_s = time.monotonic() - self._started_s
         return self.result()
 
