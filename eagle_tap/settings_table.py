@@ -12,7 +12,6 @@ import dataclasses
 import inspect
 import textwrap
 import typing
-from pathlib import Path
 from typing import Any
 
 __all__ = ["attribute_docstrings", "settings_table"]

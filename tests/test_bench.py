@@ -86,9 +86,10 @@ def test_report_json_round_trips_and_markdown_has_a_row_per_item(report: dict, t
 
 
 def test_a_failing_benchmark_is_reported_and_the_run_goes_on(tmp_path: Path) -> None:
-    report = run_benchmarks(["codecs"], configs={"codecs": codecs.Config(source="no-such-source")},
-                            log=lambda line: None)
+    report = run_benchmarks(["codecs", "trainer"], configs={"codecs": codecs.Config(source="no-such-source"),
+                                                            "trainer": TRAINER}, log=lambda line: None)
     assert "unknown codec bench source 'no-such-source'" in report["benchmarks"]["codecs"]["error"]
+    _check_well_formed(report["benchmarks"]["trainer"])  # the benchmark after the failed one still ran
     _, markdown_path = write_report(report, tmp_path)
     assert "**failed**: ValueError: unknown codec bench source" in markdown_path.read_text()
 

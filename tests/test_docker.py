@@ -449,7 +449,8 @@ def test_server_base_image_is_the_pinned_sglang_the_plugin_supports() -> None:
     assert version in SUPPORTED_SGLANG_VERSIONS
     for text in (README_PATH.read_text(encoding="utf-8"), COMPOSE_PATH.read_text(encoding="utf-8")):
         for tag in re.findall(r"lmsysorg/sglang:(v[\w.-]+)", text):
-            assert tag.startswith(f"v{version}") or tag.endswith("-cu129"), f"SGLang tag {tag} is not v{version}"
+            # v0.5.19-cu129 is only named, as the last CUDA 12 image; every tag used must be the pinned version.
+            assert tag.startswith(f"v{version}") or tag == "v0.5.19-cu129", f"SGLang tag {tag} is not v{version}"
 
 
 def test_trainer_base_image_carries_the_tested_torch() -> None:

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from client.cli import config_from_args
 from client.spans import ChatTokenizer
-from eagle_tap.cli import build_parser
+from eagle_tap.cli import main
 from eagle_tap.demo import CONVERSATIONS_PATH
 from eagle_tap.tiny_model import TINY_MODEL_DIR
 from trainer.vocab import template_token_ids
@@ -46,12 +45,23 @@ def test_vocab_finds_template_tokens_of_a_remote_code_tokenizer(remote_code_targ
     assert template_token_ids(remote_code_target, trust_remote_code=True) == template_token_ids(TINY_MODEL_DIR)
 
 
-def test_the_flag_reaches_both_commands(tmp_path: Path) -> None:
-    parser = build_parser()
-    fire = ["fire", "--server", "http://s", "--collector", "http://c", "--data", str(CONVERSATIONS_PATH),
-            "--out", str(tmp_path / "run")]
-    assert config_from_args(parser.parse_args([*fire, "--trust-remote-code"])).trust_remote_code
-    assert not config_from_args(parser.parse_args(fire)).trust_remote_code
-    vocab = parser.parse_args(["vocab", "--target", "t", "--draft-vocab-size", "8", "--out", "o", "--shards", "s",
-                               "--trust-remote-code"])
-    assert vocab.trust_remote_code
+def test_the_flag_reaches_the_tokenizer_through_both_commands(
+        remote_code_target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    frequencies = tmp_path / "frequencies.json"
+    frequencies.write_text(json.dumps({str(token_id): 10 for token_id in range(40)}))
+    vocab = ["vocab", "--target", str(remote_code_target), "--draft-vocab-size", "32", "--frequencies",
+             str(frequencies)]
+    assert main([*vocab, "--out", str(tmp_path / "refused")]) == 2
+    assert "custom code" in capsys.readouterr().err
+    assert main([*vocab, "--out", str(tmp_path / "vocab"), "--trust-remote-code"]) == 0
+    assert (tmp_path / "vocab" / "vocab.json").exists()
+
+    # fire loads the tokenizer before it sends anything: refused without the flag; with it, the run gets as far
+    # as the (absent) server.
+    fire = ["fire", "--server", "http://127.0.0.1:9", "--collector", "http://127.0.0.1:9", "--data",
+            str(CONVERSATIONS_PATH), "--tokenizer", str(remote_code_target), "--max-attempts", "1", "--max-samples", "1",
+            "--progress", "off"]
+    assert main([*fire, "--out", str(tmp_path / "fire-refused")]) == 2
+    assert "custom code" in capsys.readouterr().err
+    assert main([*fire, "--out", str(tmp_path / "fire"), "--trust-remote-code"]) == 1
+    assert "custom code" not in capsys.readouterr().err
