@@ -49,6 +49,15 @@ class CollectorProcess:
                 time.sleep(0.2)
         raise RuntimeError(f"collector did not answer /healthz within {timeout_s:.0f} s: see {self.log_path}")
 
+    def stats(self, token: str | None = None) -> dict:
+        """The collector's `/v1/stats`: records, tokens and bytes stored, rejects, durability."""
+        import json
+
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        request = urllib.request.Request(f"{self.url}/v1/stats", headers=headers)
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read())
+
     def stop(self) -> None:
         """Terminate the collector (it seals its open shard on SIGTERM) and wait, killing it after 30 s; safe to call
         twice."""

@@ -73,8 +73,7 @@ def stored_record(collector: CollectorProcess, record_id: str, timeout_s: float 
 
 
 def collector_stats(collector: CollectorProcess) -> dict:
-    with urllib.request.urlopen(f"{collector.url}/v1/stats", timeout=10) as response:
-        return json.loads(response.read())
+    return collector.stats()
 
 
 def aux_as_float(record) -> np.ndarray:

@@ -49,7 +49,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         description="Measure, side by side in one run: codec ratio and MB/s (raw, zstd, bf16-split); collector "
         "ingest MB/s against the disk alone and the raw-socket loopback ceiling; SGLang throughput with the "
         "capture plugin capturing vs not loaded (starts CPU SGLang servers); the trainer's input pipeline "
-        "against what training steps consume. Full run: about 5-10 minutes on 2 cores; --quick: 1-2.",
+        "against what training steps consume. Full run: about 2 minutes on 2 cores; --quick: under 1.",
     )
     bench.add_argument("--out", default="bench-results", help="directory for bench.json and bench.md "
                        "(default: bench-results)")

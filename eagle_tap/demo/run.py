@@ -229,12 +229,8 @@ def _start_collector(stack: contextlib.ExitStack, data_dir: Path, port: int, tok
 
 def _stop_collector(collector, token: str) -> dict[str, Any]:
     """The collector's own totals, read just before it is stopped (SIGTERM seals its open shard)."""
-    import httpx
-
-    response = httpx.get(f"{collector.url}/v1/stats", headers={"Authorization": f"Bearer {token}"}, timeout=30)
-    response.raise_for_status()
+    stats = collector.stats(token)
     collector.stop()
-    stats = response.json()
     return {key: stats[key] for key in ("num_records", "num_tokens", "raw_nbytes", "stored_nbytes", "frame_nbytes",
                                         "compression_ratio", "num_duplicates", "num_rejects", "durability")}
 
