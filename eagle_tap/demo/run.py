@@ -22,6 +22,7 @@ import hashlib
 import json
 import secrets
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -298,6 +299,7 @@ def train_draft(config: Config, out: Path) -> dict[str, Any]:
         "optimizer": {"learning_rate": config.learning_rate, "warmup_steps": max(1, config.train_steps // 10)},
         "num_steps": config.train_steps, "log_every": max(1, config.train_steps // 20), "checkpoint_every": 0,
         "eval_shards": str(out / "captures" / "heldout"), "eval_every": 0,
+        "progress_bar": sys.stderr.isatty(),  # a bar in a terminal; no redrawn lines in a log file
     }
     summary = train(config_from_dict(TrainConfig, settings))
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
