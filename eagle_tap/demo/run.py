@@ -78,7 +78,9 @@ def run_demo(config: Config) -> dict[str, Any]:
     timings: dict[str, float] = {}
     summary: dict[str, Any] = {"out_dir": str(out), "target": verify_target()}
     train_data, heldout_data = split_conversations(config, out / "data")
-    summary["conversations"] = {"train": count_lines(train_data), "heldout": count_lines(heldout_data),
+    from client.conversations import count_rows
+
+    summary["conversations"] = {"train": count_rows(train_data), "heldout": count_rows(heldout_data),
                                 "source": str(config.conversations)}
     with _timed(timings, "capture"):
         summary["capture"] = capture(config, out, train_data, heldout_data)
@@ -153,10 +155,6 @@ def split_conversations(config: Config, data_dir: Path) -> tuple[Path, Path]:
     for path, part in zip(paths, (train, heldout)):
         path.write_text("\n".join(part) + "\n", encoding="utf-8")
     return paths
-
-
-def count_lines(path: Path) -> int:
-    return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
 
 
 def user_questions(path: Path) -> list[str]:

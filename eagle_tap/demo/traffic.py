@@ -87,8 +87,9 @@ class ServingTraffic:
             num_tokens = self._num_completion_tokens
         percentiles: dict[str, float | None] = {"p50": None, "p95": None, "max": None}
         if latencies_ms:
-            cut = statistics.quantiles(latencies_ms, n=20, method="inclusive") if len(latencies_ms) > 1 else latencies_ms * 19
-            percentiles = {"p50": round(statistics.median(latencies_ms), 1), "p95": round(cut[18], 1),
+            p95 = (statistics.quantiles(latencies_ms, n=20, method="inclusive")[18] if len(latencies_ms) > 1
+                   else latencies_ms[0])  # quantiles needs two points
+            percentiles = {"p50": round(statistics.median(latencies_ms), 1), "p95": round(p95, 1),
                            "max": round(latencies_ms[-1], 1)}
         return {"num_answered": len(latencies_ms), "num_failed": sum(failures.values()), "failures": failures,
                 "num_completion_tokens": num_tokens, "latency_ms": percentiles, "wall_s": round(self._wall_s, 1),
