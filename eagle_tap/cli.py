@@ -26,6 +26,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "trainer.cli",
     "eagle_tap.demo.cli",
     "eagle_tap.bench.cli",
+    "eagle_tap.served.cli",
 )
 
 
@@ -55,11 +56,22 @@ def interrupt_on_signals() -> Iterator[None]:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from eagle_tap.served.draft import SpeculativeConfig, check_draft_fits_target
     from eagle_tap.sglang_server import ServerConfig, SGLangServer
     from eagle_tap.tiny_model import TINY_MODEL_DIR
 
+    model_path = Path(args.model) if args.model else TINY_MODEL_DIR
+    speculative = None
+    if args.draft:
+        try:
+            speculative = SpeculativeConfig(draft_dir=Path(args.draft), num_steps=args.num_steps)
+            check_draft_fits_target(speculative.draft_dir, model_path)
+        except ValueError as error:  # DraftMismatchError included
+            print(f"eagle-tap serve: refusing draft {args.draft}: {error}", file=sys.stderr)
+            return 2
     config = ServerConfig(
-        model_path=Path(args.model) if args.model else TINY_MODEL_DIR,
+        speculative=speculative,
+        model_path=model_path,
         device=args.device,
         host=args.host,
         port=args.port,
@@ -94,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=None, help="default: a free port")
     serve.add_argument("--log", help="file for the server's output (default: a temp file)")
+    serve.add_argument("--draft", help="serve this exported EAGLE-3 draft folder with speculative decoding "
+                       "(checked against the model before start-up)")
+    serve.add_argument("--num-steps", type=int, default=3,
+                       help="with --draft: draft tokens proposed per verify step (a chain, top-k 1; default 3)")
     serve.add_argument("sglang_args", nargs=argparse.REMAINDER, help="extra sglang.launch_server flags after --")
     serve.set_defaults(run=_serve)
 

@@ -12,6 +12,10 @@ on its native torch path, and import-only stand-ins for `sgl_kernel` and `torchv
 of either exists on PyPI) when the real packages are missing. A CPU with AMX tiles is refused: there
 SGLang routes layers to `sgl_kernel`'s AMX kernels, which a stand-in cannot provide. On a GPU machine
 nothing is added: a plain `pip install sglang==0.5.23` brings the real packages.
+
+With a draft (`ServerConfig.speculative`) the server runs EAGLE-3 chain drafting; the draft is checked
+against the model first (`eagle_tap.served.draft`), so a mismatch is refused before any process starts.
+On a CPU the stand-ins then also provide torch versions of the `sgl_kernel` ops that path calls.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+
+from eagle_tap.served.draft import SpeculativeConfig, check_draft_fits_target
 
 CPU_STANDINS_DIR = Path(__file__).resolve().parent / "cpu_standins"
 
@@ -72,6 +78,8 @@ class ServerConfig:
     """How long to wait for `/health_generate` before giving up."""
     log_path: Path | None = None
     """Where the server's stdout+stderr go; a temp file when None."""
+    speculative: SpeculativeConfig | None = None
+    """Serve this EAGLE-3 draft (checked against the model before anything starts); None: no draft."""
 
 
 def post_json(url: str, payload: dict, timeout_s: float = 120) -> dict:
@@ -149,6 +157,7 @@ def server_command(config: ServerConfig, port: int) -> list[str]:
         "--host", config.host,
         "--port", str(port),
         *device_args,
+        *(config.speculative.server_args() if config.speculative else ()),
         *config.extra_args,
     ]
 
@@ -172,6 +181,9 @@ class SGLangServer:
         self.stop()
 
     def start(self) -> None:
+        """Start the server and wait until it serves; a draft that does not fit the model is refused first."""
+        if self.config.speculative is not None:
+            check_draft_fits_target(self.config.speculative.draft_dir, self.config.model_path)
         env = server_environment(self.config)
         if self.log_path is None:
             self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"eagle-tap-sglang-{self.port}.log"

@@ -30,7 +30,8 @@ BYTES_PER_TOKEN = 4 * 128 * 2 + 4  # 3 capture layers + the final state, hidden 
 
 def demo_command(out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "eagle_tap.cli", "demo", "--out", str(out), "--num-conversations", "24",
-            "--heldout-every", "4", "--max-new-tokens", "32", "--train-steps", "8", "--ttt-steps", "2", *extra]
+            "--heldout-every", "4", "--max-new-tokens", "32", "--train-steps", "8", "--ttt-steps", "2",
+            "--served-max-new-tokens", "12", *extra]
 
 
 def processes_of(out: Path) -> list[str]:
@@ -85,6 +86,15 @@ def test_the_demo_runs_every_stage_and_leaves_no_process(tmp_path: Path) -> None
     assert sorted(summary["export"]["files"]) == ["README.md", "config.json", "model.safetensors"]
     config = json.loads((out / "draft" / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+
+    # The exported draft and the untrained one were served by SGLang with speculative decoding; greedy outputs
+    # equal the no-draft ones, and every figure is SGLang's own count.
+    served = summary["served"]
+    assert served["num_prompts"] == 6 and set(served["results"]) == {"draft", "untrained"}
+    for result in served["results"].values():
+        assert result["num_identical_outputs"] == 6 and result["num_verify_steps"] > 0
+        assert 1.0 <= result["acceptance_length"] <= 1 + served["num_steps"]
+    assert "acceptance length, served" in done.stdout and "acceptance length, simulated" in done.stdout
 
     # Running it again at the same folder needs --replace (the folder is the demo's own).
     assert main(["demo", "--out", str(out)]) == 2

@@ -112,8 +112,9 @@ def _eval(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from trainer.export import export
 
-    out = export(args.checkpoint, args.out, eval_result=args.eval_result)
-    print(f"wrote {out}: config.json, model.safetensors, README.md")
+    out = export(args.checkpoint, args.out, eval_result=args.eval_result, untrained=args.untrained)
+    what = "the run's untrained initialisation" if args.untrained else "the trained draft"
+    print(f"wrote {out} ({what}): config.json, model.safetensors, README.md")
     return 0
 
 
@@ -186,4 +187,6 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--checkpoint", required=True, help="a training run's out_dir (or its final/ folder)")
     export.add_argument("--out", required=True, help="folder to create")
     export.add_argument("--eval-result", help="eval.json of `eagle-tap eval`, for the model card's table")
+    export.add_argument("--untrained", action="store_true",
+                        help="export the run's initialisation (same seed, no training) instead: a baseline to serve")
     export.set_defaults(run=_export)

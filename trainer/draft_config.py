@@ -6,7 +6,7 @@ embedding) and the draft vocab size (lm_head), plus:
 - `num_aux_hidden_states` and `eagle_config.eagle_aux_hidden_state_layer_ids`: SGLang's layer ids
   for the capture layers, translated by capture_format.layers for the target's architecture;
 - `eagle_tap`: the capture layers themselves and the target's fingerprint, which training checks
-  every record against.
+  every record against, and its tokenizer's fingerprint, which serving checks the target against.
 Values the derivation gets wrong for an unusual target (an MLA target's KV heads, say) are set
 with `--set key=value` (JSON values).
 """
@@ -45,7 +45,7 @@ def build_draft_config(
     """The draft config for the target in target_dir (see the module docstring)."""
     import capture_format as cf
     from capture_format.fingerprint import model_fingerprint
-    from trainer.vocab import read_model_config
+    from trainer.vocab import read_model_config, tokenizer_fingerprint
 
     target = read_model_config(target_dir)
     architecture = (json.loads((Path(target_dir) / "config.json").read_text())["architectures"] or ["unknown"])[0]
@@ -88,6 +88,7 @@ def build_draft_config(
             "target_architecture": architecture,
             "target_num_hidden_layers": num_layers,
             "target_model_fingerprint": model_fingerprint(target_dir),
+            "target_tokenizer_fingerprint": tokenizer_fingerprint(target_dir),
         },
     }
     try:

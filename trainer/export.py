@@ -138,24 +138,47 @@ def model_card(config: dict[str, Any], run_config: dict[str, Any] | None, evalua
     return "\n".join(lines)
 
 
-def export(checkpoint: str | Path, out_dir: str | Path, eval_result: str | Path | None = None) -> Path:
-    """Writes the SGLang-loadable folder out_dir from a trained run; returns out_dir."""
+def untrained_tensors(run_config_path: Path) -> dict[str, torch.Tensor]:
+    """The draft a run starts from (its seed, its vocab mapping, no training step), under the saved names."""
+    from trainer.config_io import config_from_dict
+    from trainer.distributed import Runtime
+    from trainer.model import trainable_state_dict
+    from trainer.train import Config, build_objective
+
+    config = config_from_dict(Config, json.loads(run_config_path.read_text(encoding="utf-8")))
+    runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    objective, _, _ = build_objective(config, runtime)
+    return trainable_state_dict(objective.draft)
+
+
+def export(checkpoint: str | Path, out_dir: str | Path, eval_result: str | Path | None = None,
+           untrained: bool = False) -> Path:
+    """Writes the SGLang-loadable folder out_dir from a trained run; returns out_dir.
+
+    untrained: export the run's initialisation instead of its trained weights (a baseline to serve)."""
     from safetensors.torch import load_file, save_file
 
     final, run_config_path = resolve_checkpoint(checkpoint)
     out = Path(out_dir)
     if out.exists():
         raise ValueError(f"{out} already exists; export into a new folder")
+    if untrained and run_config_path is None:
+        raise ValueError(f"no training config.json next to {final}: the untrained draft is rebuilt from the run's "
+                         "config (target, vocab, seed)")
     config = export_config(json.loads((final / "config.json").read_text(encoding="utf-8")))
-    tensors = checked_tensors(load_file(final / "model.safetensors"), config)
+    weights = untrained_tensors(run_config_path) if untrained else load_file(final / "model.safetensors")
+    tensors = checked_tensors(weights, config)
     run_config = json.loads(run_config_path.read_text(encoding="utf-8")) if run_config_path else None
-    evaluation = json.loads(Path(eval_result).read_text(encoding="utf-8")) if eval_result else None
+    evaluation = None if untrained or not eval_result else json.loads(Path(eval_result).read_text(encoding="utf-8"))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        (staging / "README.md").write_text(model_card(config, run_config, evaluation), encoding="utf-8")
+        card = model_card(config, run_config, evaluation)
+        if untrained:
+            card += "\n**Untrained**: the run's initialisation (its seed), not trained; a baseline to serve.\n"
+        (staging / "README.md").write_text(card, encoding="utf-8")
         staging.rename(out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -16,7 +16,8 @@ def _demo(args: argparse.Namespace) -> int:
     given = {"conversations": Path(args.conversations)} if args.conversations else {}
     config = Config(out_dir=Path(args.out), replace=args.replace, num_conversations=args.num_conversations,
                     heldout_every=args.heldout_every, max_new_tokens=args.max_new_tokens,
-                    train_steps=args.train_steps, ttt_steps=args.ttt_steps, **given)
+                    train_steps=args.train_steps, ttt_steps=args.ttt_steps, served_steps=args.served_steps,
+                    served_max_new_tokens=args.served_max_new_tokens, **given)
     try:
         with interrupt_on_signals():  # `kill` stops the demo as cleanly as Ctrl-C: every process it started stops
             summary = run_demo(config)
@@ -39,8 +40,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "demo", help="the whole pipeline on this machine: capture from a live CPU server, train, evaluate, export",
         description="Start a collector and a CPU SGLang server with the capture plugin (bundled tiny target), fire "
         "the bundled conversations in --regenerate mode while ordinary chat traffic keeps coming, stop both, "
-        "then build the vocab mapping, train a draft briefly, evaluate it against baselines and export it. "
-        "Prints a summary and writes OUT/summary.json. About 3 minutes on 2 cores.",
+        "then build the vocab mapping, train a draft briefly, evaluate it against baselines, export it, and serve it "
+        "with SGLang's EAGLE-3 speculative decoding on the held-out conversations (served vs simulated "
+        "acceptance, trained vs untrained draft). Prints a summary and writes OUT/summary.json.",
     )
     demo.add_argument("--out", default="demo-run", help="folder for everything the demo writes (default demo-run)")
     demo.add_argument("--replace", action="store_true", help="delete an earlier demo's folder at --out first")
@@ -50,4 +52,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--max-new-tokens", type=int, default=128, help="longest regenerated turn (default 128)")
     demo.add_argument("--train-steps", type=int, default=600, help="training steps (default 600)")
     demo.add_argument("--ttt-steps", type=int, default=7, help="test-time-training unroll while training (default 7)")
+    demo.add_argument("--served-steps", type=int, default=3,
+                      help="draft tokens per verify step when the exported draft is served (default 3)")
+    demo.add_argument("--served-max-new-tokens", type=int, default=48,
+                      help="tokens generated per held-out conversation when serving the draft (default 48)")
     demo.set_defaults(run=_demo)

@@ -12,6 +12,23 @@ def _mb(num_bytes: int) -> str:
     return f"{num_bytes / 1e6:,.1f} MB"
 
 
+def served_table(served: dict[str, Any]) -> list[str]:
+    """SGLang's own figures for the trained and the untrained draft, beside eval's simulated acceptance."""
+    results, k = served["results"], served["num_steps"]
+    names = list(results)
+    lines = [f"served by SGLang (EAGLE-3, chain of {k} drafts; {served['num_prompts']} held-out conversations, "
+             f"greedy, up to {served['max_new_tokens']} tokens)",
+             f"{'':<30}" + "".join(f"{name:>11}" for name in names)]
+    rows = [(f"acceptance length, served", lambda r: f"{r['acceptance_length']:.3f}"),
+            (f"acceptance length, simulated", lambda r: f"{r['simulated_acceptance_length']:.3f}"),
+            *[(f"draft {j} accepted (share)", lambda r, j=j: f"{r['acceptance_rate_by_position'][j - 1]:.3f}")
+              for j in range(1, k + 1)],
+            ("decode speed vs no draft", lambda r: f"{r['decode_speed_ratio']:.2f}x"),
+            ("outputs identical", lambda r: f"{r['num_identical_outputs']}/{r['num_prompts']}")]
+    lines += [f"{label:<30}" + "".join(f"{cell(results[name]):>11}" for name in names) for label, cell in rows]
+    return lines + [""]
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     capture, training, evaluation = summary["capture"], summary["training"], summary["evaluation"]
     target, conversations = summary["target"], summary["conversations"]
@@ -50,11 +67,12 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = ["", f"eagle-tap demo finished in {summary['wall_s']:.0f} s; {stopped}.", ""]
     lines += [f"{name:<{width}}  {value}" for name, value in rows]
     lines += ["", evaluation["table"], ""]
+    lines += served_table(summary["served"]) if "served" in summary else []
     timings = ", ".join(f"{stage} {seconds:.0f} s" for stage, seconds in summary["timings_s"].items())
     lines += [
         f"{'time':<{width}}  {timings}",
         f"{'export':<{width}}  {summary['export']['path']} ({', '.join(summary['export']['files'])})",
-        f"{'plots':<{width}}  {', '.join(training['plots'] + [evaluation['plot'], str(out / 'vocab' / 'coverage.png')])}",
+        f"{'plots':<{width}}  {', '.join(training['plots'] + [evaluation['plot'], str(out / 'vocab' / 'coverage.png')] + ([summary['served']['plot']] if 'served' in summary else []))}",
         f"{'captures':<{width}}  {capture['shards']['train']} (train), {capture['shards']['heldout']} (held out)",
         f"{'logs':<{width}}  {out / 'logs'} (sglang.log, collector.log); every number above: {out / 'summary.json'}",
     ]

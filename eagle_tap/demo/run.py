@@ -7,7 +7,10 @@ Stages (each timed; all files under one out_dir):
    answers each turn, the plugin captures prompt + answer); then restart the collector on the same
    port with a second data directory and fire the held-out set, so the two never share a shard;
 4. stop every process the demo started;
-5. vocab mapping, draft config, a short training run, offline evaluation against the baselines, export.
+5. vocab mapping, draft config, a short training run, offline evaluation against the baselines, export;
+6. serve the exported draft (and the run's untrained initialisation) with SGLang's EAGLE-3 speculative
+   decoding and answer the held-out conversations with and without it: SGLang's own acceptance
+   figures, the decode speed ratio, and whether every output equals the no-draft one.
 
 What must hold: every process started is stopped on success, on error and on Ctrl-C (checked at the
 end: `summary["processes_left"]` is empty); out_dir is only ever replaced when it holds a demo's own
@@ -67,6 +70,10 @@ class Config:
     """Positions per record in training and evaluation (the bundled conversations are shorter)."""
     learning_rate: float = 3e-3
     """Peak learning rate (a tiny draft on little data learns fast)."""
+    served_steps: int = 3
+    """Draft tokens per verify step when the exported draft is served (compared with eval's k)."""
+    served_max_new_tokens: int = 48
+    """Tokens generated per held-out conversation when serving with and without the draft."""
     seed: int = 0
     """Seeds the draft's initialisation and the data order."""
 
@@ -90,6 +97,8 @@ def run_demo(config: Config) -> dict[str, Any]:
         summary["evaluation"] = evaluate_draft(config, out)
     with _timed(timings, "export"):
         summary["export"] = export_draft(out)
+    with _timed(timings, "served"):
+        summary["served"] = serve_drafts(config, out, heldout_data, summary["evaluation"])
     summary["timings_s"] = timings
     summary["wall_s"] = round(time.monotonic() - started_s, 1)
     summary["processes_left"] = summary["capture"]["processes_left"] + still_running(descendants())
@@ -326,6 +335,47 @@ def export_draft(out: Path) -> dict[str, Any]:
 
     folder = export(out / "runs" / "train", out / "draft", eval_result=out / "runs" / "eval" / "eval.json")
     return {"path": str(folder), "files": sorted(path.name for path in folder.iterdir())}
+
+
+def serve_drafts(config: Config, out: Path, heldout_data: Path, evaluation: dict[str, Any]) -> dict[str, Any]:
+    """The held-out conversations answered greedily by SGLang without a draft, with the trained draft and with
+    the untrained one (one server at a time); SGLang's acceptance figures beside eval's simulated ones."""
+    from trainer.export import export
+
+    from eagle_tap.served.draft import SpeculativeConfig
+    from eagle_tap.served.evaluate import generate_all, load_prompts, plot_served, serving, summarize
+    from eagle_tap.tiny_model import TINY_MODEL_DIR
+
+    drafts = {"draft": out / "draft", "untrained": export(out / "runs" / "train", out / "draft-untrained",
+                                                          untrained=True)}
+    prompts, _ = load_prompts(heldout_data, TINY_MODEL_DIR)
+    served_dir = out / "runs" / "served"
+    served_dir.mkdir(parents=True, exist_ok=True)
+    runs = {}
+    for name in ("baseline", *drafts):
+        speculative = None if name == "baseline" else SpeculativeConfig(draft_dir=drafts[name],
+                                                                        num_steps=config.served_steps)
+        print(f"serving {name} ({len(prompts)} held-out conversations, greedy) ...", flush=True)
+        with serving(TINY_MODEL_DIR, speculative, log_path=out / "logs" / f"sglang-served-{name}.log") as url:
+            runs[name] = generate_all(url, prompts, config.served_max_new_tokens, timeout_s=600)
+    k_index = evaluation_chain_index(evaluation, config.served_steps)
+    results = {}
+    for name in drafts:
+        result = summarize(prompts, runs["baseline"], runs[name], config.served_steps)
+        result["simulated_acceptance_length"] = evaluation["acceptance_length"][name][k_index]
+        results[name] = result
+    (served_dir / "eval_served.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    plot_served(results["draft"], served_dir / "acceptance_served.png")
+    return {"num_steps": config.served_steps, "max_new_tokens": config.served_max_new_tokens,
+            "num_prompts": len(prompts), "results": results, "eval_served_json": str(served_dir / "eval_served.json"),
+            "plot": str(served_dir / "acceptance_served.png")}
+
+
+def evaluation_chain_index(evaluation: dict[str, Any], num_steps: int) -> int:
+    """Index of chain length num_steps in eval's acceptance lists (k = 1, 2, ...)."""
+    if not 1 <= num_steps <= len(evaluation["acceptance_length"]["draft"]):
+        raise ValueError(f"served_steps {num_steps} is outside eval's chain lengths")
+    return num_steps - 1
 
 
 def descendants() -> list:

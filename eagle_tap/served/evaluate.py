@@ -1,0 +1,274 @@
+"""`eagle-tap eval-served`: the draft measured where it matters, inside SGLang's speculative decoding.
+
+The same prompts go, one at a time and greedily (temperature 0), to a server without the draft and to
+one with it. Every figure comes from SGLang itself or from the responses:
+- acceptance length: tokens emitted per verify step, (accepted drafts + verify steps) / verify steps,
+  pooled over all prompts from SGLang's per-request `spec_verify_ct` and `spec_num_correct_drafts`;
+- per draft position j (1..k): the share of verify steps that accepted at least j drafts, from
+  SGLang's per-request `spec_correct_drafts_histogram`;
+- decode tokens/s with and without the draft: tokens after the first (streamed), divided by the time
+  from the first streamed token to the last, summed over prompts; and their ratio;
+- whether every output is token-identical to the no-draft run (greedy speculative decoding must not
+  change the output).
+
+What must hold: nothing here trusts the draft's own report; a prompt whose response lacks SGLang's
+speculative figures fails the run (the server is not running the draft); every process started is
+stopped, also on error. Prompts are the dataset's conversations up to their last user turn, rendered
+with the target's chat template (earlier assistant turns stay, as the conversation had them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from eagle_tap.served.draft import SpeculativeConfig
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Config:
+    """One served evaluation."""
+
+    target: Path
+    """The target model folder (tokenizer and chat template; served unless both servers are given)."""
+    draft: Path
+    """The exported draft folder."""
+    data: Path
+    """Conversations as `fire` reads them (JSONL, Parquet or a datasets folder)."""
+    out_dir: Path
+    """Where eval_served.json and acceptance_served.png go."""
+    num_steps: int = 3
+    """Draft tokens per verify step (a chain)."""
+    max_new_tokens: int = 64
+    """Tokens generated per prompt."""
+    max_prompts: int | None = None
+    """Use only the first N usable conversations (None: all)."""
+    server: str | None = None
+    """URL of a running server that serves the draft (None: start one)."""
+    baseline_server: str | None = None
+    """URL of a running server without a draft (None: start one)."""
+    device: str = "cpu"
+    """Device of the servers this command starts."""
+    server_args: tuple[str, ...] = ()
+    """More sglang.launch_server flags for the servers this command starts."""
+    trust_remote_code: bool = False
+    """Run tokenizer code shipped with the target (Kimi-K2's)."""
+    request_timeout_s: float = 600.0
+    """Longest wait for one generation."""
+    simulated: Path | None = None
+    """`eagle-tap eval`'s eval.json on the same conversations, to report the simulated acceptance beside."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Prompt:
+    key: str
+    """The conversation's stable digest (`client.conversations`)."""
+    input_ids: list[int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Generation:
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+    decode_tokens: int
+    """Tokens streamed after the first one."""
+    decode_s: float
+    """Seconds from the first streamed token to the end."""
+
+
+def load_prompts(data: Path, target: Path, *, max_prompts: int | None = None,
+                 trust_remote_code: bool = False) -> tuple[list[Prompt], list[str]]:
+    """(prompts, reasons for the rows skipped): each conversation up to its last user turn, chat-templated."""
+    from client.conversations import BadRow, read_conversations
+    from client.spans import ChatTokenizer, SpanError
+
+    chat = ChatTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
+    prompts, skipped = [], []
+    for item in read_conversations(Path(data)):
+        if max_prompts is not None and len(prompts) >= max_prompts:
+            break
+        if isinstance(item, BadRow):
+            skipped.append(str(item))
+            continue
+        messages = list(item.messages)
+        while messages and messages[-1]["role"] == "assistant":
+            messages.pop()
+        if not messages or messages[-1]["role"] != "user":
+            skipped.append(f"{item.source}:{item.line}: no user turn to answer")
+            continue
+        try:
+            prompts.append(Prompt(item.key, chat.render_ids(messages, add_generation_prompt=True)))
+        except SpanError as error:
+            skipped.append(f"{item.source}:{item.line}: {error}")
+    if not prompts:
+        raise ValueError(f"{data} holds no conversation with a user turn to answer ({len(skipped)} rows skipped)")
+    return prompts, skipped
+
+
+def generate(client: httpx.Client, url: str, prompt: Prompt, max_new_tokens: int) -> Generation:
+    """One greedy generation, streamed so that decode time excludes the prefill."""
+    payload = {"input_ids": prompt.input_ids, "stream": True,
+               "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
+    last: dict[str, Any] | None = None
+    first_token_at = None
+    with client.stream("POST", f"{url}/generate", json=payload) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}/generate answered {response.status_code}: {response.read()[:300]!r}")
+        for line in response.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data:"):])
+            if "error" in chunk:
+                raise RuntimeError(f"{url}/generate failed: {chunk['error']}")
+            if first_token_at is None and chunk.get("output_ids"):
+                first_token_at = time.perf_counter()
+            last = chunk
+    finished_at = time.perf_counter()
+    if last is None:
+        raise RuntimeError(f"{url}/generate streamed no output for prompt {prompt.key}")
+    output_ids = list(last["output_ids"])
+    return Generation(output_ids, last["meta_info"], max(len(output_ids) - 1, 0),
+                      finished_at - (first_token_at or finished_at))
+
+
+def generate_all(url: str, prompts: Sequence[Prompt], max_new_tokens: int, timeout_s: float) -> list[Generation]:
+    with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0)) as client:
+        return [generate(client, url, prompt, max_new_tokens) for prompt in prompts]
+
+
+def summarize(prompts: Sequence[Prompt], baseline: Sequence[Generation], speculative: Sequence[Generation],
+              num_steps: int) -> dict[str, Any]:
+    """The figures of the module docstring, from the two runs' responses."""
+    missing = [prompt.key for prompt, run in zip(prompts, speculative) if "spec_verify_ct" not in run.meta_info]
+    if missing:
+        raise RuntimeError(f"{len(missing)} responses of the draft server carry no speculative figures "
+                           f"(spec_verify_ct): it is not serving a draft")
+    verify_steps = sum(run.meta_info["spec_verify_ct"] for run in speculative)
+    accepted = sum(run.meta_info["spec_num_correct_drafts"] for run in speculative)
+    histogram = [0] * (num_steps + 1)  # verify steps by number of accepted drafts
+    for run in speculative:
+        for num_accepted, count in enumerate(run.meta_info.get("spec_correct_drafts_histogram") or []):
+            histogram[min(num_accepted, num_steps)] += count
+    per_position = [sum(histogram[j:]) / max(verify_steps, 1) for j in range(1, num_steps + 1)]
+    mismatched = [prompt.key for prompt, base, spec in zip(prompts, baseline, speculative)
+                  if base.output_ids != spec.output_ids]
+
+    def tokens_per_s(runs: Sequence[Generation]) -> float:
+        seconds = sum(run.decode_s for run in runs)
+        return sum(run.decode_tokens for run in runs) / seconds if seconds > 0 else float("nan")
+
+    baseline_speed, speculative_speed = tokens_per_s(baseline), tokens_per_s(speculative)
+    return {
+        "num_prompts": len(prompts), "num_steps": num_steps,
+        "num_output_tokens": sum(len(run.output_ids) for run in speculative),
+        "num_verify_steps": verify_steps, "num_accepted_drafts": accepted,
+        "acceptance_length": (accepted + verify_steps) / verify_steps if verify_steps else float("nan"),
+        "acceptance_length_per_prompt_mean": sum(
+            (run.meta_info["spec_num_correct_drafts"] + run.meta_info["spec_verify_ct"])
+            / max(run.meta_info["spec_verify_ct"], 1) for run in speculative) / len(speculative),
+        "accepted_drafts_histogram": histogram,
+        "acceptance_rate_by_position": per_position,
+        "decode_tokens_per_s": {"baseline": baseline_speed, "draft": speculative_speed},
+        "decode_speed_ratio": speculative_speed / baseline_speed,
+        "num_identical_outputs": len(prompts) - len(mismatched),
+        "mismatched_prompts": mismatched,
+    }
+
+
+@contextlib.contextmanager
+def serving(target: Path, speculative: SpeculativeConfig | None, *, url: str | None = None, device: str = "cpu",
+            server_args: Sequence[str] = (), log_path: Path | None = None) -> Iterator[str]:
+    """The URL of a server of `target` (with the draft of `speculative`, or none): the given `url`, or a
+    server started here and stopped on exit, without the capture plugin."""
+    if url:
+        yield url.rstrip("/")
+        return
+    from eagle_tap.sglang_server import ServerConfig, SGLangServer
+
+    server = SGLangServer(ServerConfig(model_path=target, device=device, speculative=speculative,
+                                       extra_args=tuple(server_args), log_path=log_path,
+                                       env={"SGLANG_PLUGINS": "none-loaded"}))
+    with server:
+        yield server.url
+
+
+def simulated_acceptance(eval_json: Path, num_steps: int) -> dict[str, Any]:
+    """`eagle-tap eval`'s simulated acceptance length at chain length num_steps, for each draft it evaluated."""
+    result = json.loads(Path(eval_json).read_text(encoding="utf-8"))
+    if num_steps not in result["chain_lengths"]:
+        raise ValueError(f"{eval_json} has no chain length {num_steps} (it has {result['chain_lengths']})")
+    index = result["chain_lengths"].index(num_steps)
+    return {"eval_json": str(eval_json), "shards": result["shards"],
+            "acceptance_length": {name: values["acceptance_length"][index]
+                                  for name, values in result["drafts"].items()}}
+
+
+def evaluate_served(config: Config, *, log=print) -> dict[str, Any]:
+    """Run both servers over the prompts; return (and write) the summary."""
+    from eagle_tap.served.draft import check_draft_fits_target
+
+    checked = check_draft_fits_target(config.draft, config.target)
+    prompts, skipped = load_prompts(config.data, config.target, max_prompts=config.max_prompts,
+                                    trust_remote_code=config.trust_remote_code)
+    out = Path(config.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    speculative = SpeculativeConfig(draft_dir=Path(config.draft), num_steps=config.num_steps)
+    log(f"{len(prompts)} prompts ({len(skipped)} rows skipped); greedy, up to {config.max_new_tokens} new tokens each")
+    runs: dict[str, list[Generation]] = {}
+    for name, url, spec in (("baseline", config.baseline_server, None), ("draft", config.server, speculative)):
+        with serving(config.target, spec, url=url, device=config.device, server_args=config.server_args,
+                     log_path=out / f"sglang-{name}.log") as server_url:
+            log(f"{name}: generating at {server_url} ...")
+            runs[name] = generate_all(server_url, prompts, config.max_new_tokens, config.request_timeout_s)
+    result = {"target": str(config.target), "draft": str(config.draft), "data": str(config.data),
+              "draft_check": checked, "max_new_tokens": config.max_new_tokens, "skipped_rows": skipped,
+              **summarize(prompts, runs["baseline"], runs["draft"], config.num_steps)}
+    if config.simulated is not None:
+        result["simulated"] = simulated_acceptance(config.simulated, config.num_steps)
+    (out / "eval_served.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    plot_served(result, out / "acceptance_served.png")
+    return result
+
+
+def format_report(result: dict[str, Any]) -> str:
+    k = result["num_steps"]
+    lines = [f"served acceptance length (k={k})   {result['acceptance_length']:.3f}  "
+             f"({result['num_accepted_drafts']} drafts accepted in {result['num_verify_steps']} verify steps, "
+             f"{result['num_prompts']} prompts)"]
+    lines += [f"  draft position {j}: accepted in {rate:.1%} of verify steps"
+              for j, rate in enumerate(result["acceptance_rate_by_position"], start=1)]
+    speeds = result["decode_tokens_per_s"]
+    lines.append(f"decode tokens/s                  {speeds['draft']:.1f} with the draft, {speeds['baseline']:.1f} "
+                 f"without (ratio {result['decode_speed_ratio']:.2f})")
+    lines.append(f"outputs identical to no draft    {result['num_identical_outputs']}/{result['num_prompts']}")
+    if "simulated" in result:
+        simulated = result["simulated"]["acceptance_length"]["draft"]
+        lines.append(f"simulated acceptance (eval, k={k}) {simulated:.3f} "
+                     f"(served/simulated {result['acceptance_length'] / simulated:.2f})")
+    return "\n".join(lines)
+
+
+def plot_served(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    positions = list(range(1, result["num_steps"] + 1))
+    figure, axes = plt.subplots(figsize=(6, 4))
+    axes.bar(positions, result["acceptance_rate_by_position"], color="tab:blue")
+    axes.set(xlabel="draft position j", ylabel="share of verify steps accepting >= j drafts", ylim=(0, 1),
+             title=f"Served acceptance (SGLang): length {result['acceptance_length']:.2f}, "
+                   f"{result['num_verify_steps']} verify steps")
+    axes.set_xticks(positions)
+    axes.grid(alpha=0.3, axis="y")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
