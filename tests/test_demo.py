@@ -94,7 +94,7 @@ def test_the_demo_runs_every_stage_and_leaves_no_process(tmp_path: Path) -> None
     for result in served["results"].values():
         assert result["num_identical_outputs"] == 6 and result["num_verify_steps"] > 0
         assert 1.0 <= result["acceptance_length"] <= 1 + served["num_steps"]
-    assert "acceptance length, served" in done.stdout and "acceptance length, simulated" in done.stdout
+    assert "acceptance length, served" in done.stdout and "simulated, served walk" in done.stdout
 
     # Running it again at the same folder needs --replace (the folder is the demo's own).
     assert main(["demo", "--out", str(out)]) == 2

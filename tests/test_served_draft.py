@@ -19,7 +19,7 @@ import pytest
 import trainer_data
 from eagle_tap.cli import main
 from eagle_tap.served.draft import DraftMismatchError, SpeculativeConfig, check_draft_fits_target
-from eagle_tap.served.evaluate import Config, evaluate_served, load_prompts
+from eagle_tap.served.evaluate import Config, evaluate_served, load_prompts, prompts_from_shards
 from eagle_tap.sglang_server import ServerConfig, SGLangServer
 from test_trainer_export import trained_run
 
@@ -70,9 +70,27 @@ def test_prompts_include_multi_turn_and_chunked_ones(prompts_file, tiny_model_di
     assert len({len(prompt.input_ids) for prompt in prompts}) > 10
 
 
+def test_prompts_from_shards_stop_where_the_last_loss_span_starts():
+    import capture_format as cf
+
+    shards = trainer_data.shard_dir(64, 16)
+    prompts, skipped = prompts_from_shards(shards)
+    assert len(prompts) == 16 and not skipped
+    with cf.ShardDirectory(shards) as directory:
+        for prompt, entry in zip(prompts, directory.iter_index()):
+            record = directory.read_record(entry)
+            start = record.loss_spans[-1][0]
+            assert prompt.key == record.record_id and prompt.input_ids == record.token_ids[:start].tolist()
+
+
 def test_trained_draft_keeps_greedy_outputs_and_beats_the_untrained_one(drafts, prompts_file, baseline_server,
-                                                                      tiny_model_dir, tmp_path):
-    trained = served(drafts["trained"], tiny_model_dir, prompts_file, baseline_server.url, tmp_path / "trained")
+                                                                      tiny_model_dir, tmp_path, capsys):
+    # The trained draft through the command a user runs; the untrained one through the same code in-process.
+    assert main(["eval-served", "--target", str(tiny_model_dir), "--draft", str(drafts["trained"]),
+                 "--data", str(prompts_file), "--out", str(tmp_path / "trained"), "--num-steps", str(NUM_STEPS),
+                 "--max-new-tokens", "32", "--baseline-server", baseline_server.url, "--", *SERVER_ARGS]) == 0
+    assert "outputs identical to no draft    24/24" in capsys.readouterr().out
+    trained = json.loads((tmp_path / "trained" / "eval_served.json").read_text())
     untrained = served(drafts["untrained"], tiny_model_dir, prompts_file, baseline_server.url, tmp_path / "untrained")
     for result in (trained, untrained):
         assert result["num_prompts"] == 24

@@ -29,6 +29,22 @@ def test_acceptance_length_on_a_hand_made_case() -> None:
     torch.testing.assert_close(torch.tensor(lengths), torch.tensor([5 / 3, 7 / 3, 8 / 3, 3.0]))
 
 
+def test_the_served_walk_on_hand_made_cases() -> None:
+    # A step at row r emits tokens r+2 .. r+2+a and the next step starts at row r + a + 1.
+    assert evaluate.served_walk(torch.zeros(20, dtype=torch.long), 7, 10) == (4, 4)  # nothing accepted: 1 per step
+    assert evaluate.served_walk(torch.full((20,), 3), 7, 10) == (4, 1)  # 3 accepted + the target's own token
+    assert evaluate.served_walk(torch.full((20,), 1), 7, 10) == (4, 2)
+    assert evaluate.served_walk(torch.full((20,), 3), 7, 8) == (2, 1)  # capped at the turn's end
+    leading = torch.tensor([0, 0, 2, 0, 0, 1, 0, 0])
+    assert evaluate.served_walk(leading, 2, 7) == (6, 3)  # rows 2 (3 tokens), 5 (2 tokens), 7 (1 token)
+
+
+def test_last_turn_rows_per_record() -> None:
+    counted = torch.tensor([0, 1, 1, 0, 1, 1, 1, 0, 1, 1, 0, 0], dtype=torch.bool)
+    doc_ids = torch.tensor([0, 0, 0, 0, 0, 0, 0, 1, 1, 1, -1, -1])
+    assert evaluate.last_turn_rows(counted, doc_ids) == [(4, 6), (8, 9)]  # record 0's second turn, record 1's turn
+
+
 def test_target_argmax_of_later_steps_stays_inside_the_record() -> None:
     argmax = torch.tensor([[10, 11, 12, 20, 21]])
     doc_ids = torch.tensor([[0, 0, 0, 1, 1]])
@@ -73,6 +89,9 @@ def test_eval_against_baselines_and_the_model_card(tmp_path: Path) -> None:
         assert len(values["step_accuracy"]) == 7
     # Step-0 acceptance equals 1 + step-0 accuracy's hits (same rows, same argmax).
     assert abs(drafts["draft"]["acceptance_length"][0] - 1 - drafts["draft"]["step_accuracy"][0]) < 1e-6
+    for values in drafts.values():  # the served walk: between 1 and 1 + k tokens per verify step
+        assert all(1.0 <= walk <= 1 + k for k, walk in enumerate(values["served_walk_acceptance_length"], start=1))
+    assert drafts["draft"]["served_walk_acceptance_length"][2] > drafts["untrained"]["served_walk_acceptance_length"][2]
     assert drafts["draft"]["acceptance_length"][-1] > drafts["untrained"]["acceptance_length"][-1] + 0.1
     assert drafts["draft"]["acceptance_length"][-1] > drafts["unigram"]["acceptance_length"][-1] + 0.1
     assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "draft"),

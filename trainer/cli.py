@@ -99,7 +99,7 @@ def _eval(args: argparse.Namespace) -> int:
     from trainer.export import resolve_checkpoint
 
     result = evaluate(args.checkpoint, args.shards, max_records=args.max_records, batch_size=args.batch_size,
-                      max_length=args.max_length)
+                      max_length=args.max_length, served_max_new_tokens=args.served_max_new_tokens)
     out = Path(args.out) if args.out else resolve_checkpoint(args.checkpoint)[0].parent / "eval"
     path = write_result(result, out)
     print(format_table(result))
@@ -177,6 +177,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     evaluation.add_argument("--max-records", type=int, help="evaluate at most about this many records")
     evaluation.add_argument("--batch-size", type=int, default=8, help="records per batch")
     evaluation.add_argument("--max-length", type=int, default=2048, help="positions per record (longer ones are cut)")
+    evaluation.add_argument("--served-max-new-tokens", type=int,
+                            help="the served walk covers this many tokens of each last turn, as eval-served "
+                            "--max-new-tokens generates (default: the whole turn)")
     evaluation.set_defaults(run=_eval)
 
     export = subparsers.add_parser(

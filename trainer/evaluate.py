@@ -13,6 +13,12 @@ frequent loss-masked training token):
   rejected). Acceptance length(k) = 1 + accepted among the first k, averaged over start rows.
   The target's argmax comes from states captured on the record's own text, so where the text is
   not the target's greedy continuation this approximates what serving would verify.
+- served-walk acceptance length: the same matches, read the way SGLang's verify steps read them on
+  the last assistant turn of each record (what `eagle-tap eval-served --shards` generates): the first
+  verify step starts where the prefill's token is known, each step emits its leading accepted
+  proposals plus the target's own token, and the next step starts after them; tokens per verify
+  step, pooled. Uniform start rows weigh every position alike, while serving starts a step only
+  where the previous one ended; on greedy text this walk is what serving measures.
 
 Shape legend: B rows, S positions, J draft steps, V target vocab, D draft vocab.
 """
@@ -62,18 +68,60 @@ def chain_proposals(draft: Eagle3Draft, batch: dict[str, Any], steps: int) -> to
     return torch.stack(proposals, dim=-1)  # (B, S, J)
 
 
+def last_turn_rows(counted: torch.Tensor, doc_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """(first, last) row of each record's last run of counted rows, in one batch row; counted, doc_ids (S,)."""
+    runs: dict[int, tuple[int, int]] = {}
+    start = None
+    for row, (is_counted, doc) in enumerate(zip(counted.tolist(), doc_ids.tolist())):
+        if is_counted and start is None:
+            start = row
+        if start is not None and (not is_counted or row + 1 == len(doc_ids) or doc_ids[row + 1] != doc):
+            runs[doc_ids[start].item()] = (start, row if is_counted else row - 1)
+            start = None
+    return list(runs.values())
+
+
+def served_walk(leading: torch.Tensor, first_row: int, last_row: int) -> tuple[int, int]:
+    """(tokens emitted, verify steps) of greedy chain verification over rows first_row..last_row.
+
+    leading (S,): accepted proposals at each start row (leading matches among the first k). A step at row r
+    emits tokens r+2 .. r+2+a (a accepted drafts and the target's own token); the next starts at r + a + 1."""
+    tokens = steps = 0
+    row = first_row
+    while row <= last_row:
+        accepted = min(int(leading[row]), last_row - row)  # no token past the turn's end
+        tokens, steps, row = tokens + accepted + 1, steps + 1, row + accepted + 1
+    return tokens, steps
+
+
 class Counts:
-    """Sums over batches for one draft: TTT accuracy counts and acceptance matches."""
+    """Sums over batches for one draft: TTT accuracy counts, acceptance matches and served-walk counts."""
 
     def __init__(self, steps: int) -> None:
         self.correct = torch.zeros(steps)
         self.total = torch.zeros(steps)
         self.matches: list[torch.Tensor] = []
+        self.walk_tokens = torch.zeros(steps)
+        self.walk_steps = torch.zeros(steps)
+
+    def add_walks(self, matches: torch.Tensor, counted: torch.Tensor, doc_ids: torch.Tensor,
+                  max_new_tokens: int | None) -> None:
+        """matches (B, S, J) over every row; counted, doc_ids (B, S)."""
+        leading = matches.long().cumprod(dim=-1).cumsum(dim=-1)  # (B, S, J): leading matches among the first k
+        for b in range(matches.shape[0]):
+            for first, last in last_turn_rows(counted[b], doc_ids[b]):
+                # Row `first` predicts the turn's second token: its first token comes from the prefill.
+                last = last if max_new_tokens is None else min(last, first - 1 + max_new_tokens)
+                for k in range(matches.shape[-1]):
+                    tokens, steps = served_walk(leading[b, :, k], first + 1, last)
+                    self.walk_tokens[k] += tokens
+                    self.walk_steps[k] += steps
 
     def result(self) -> dict[str, Any]:
         matches = torch.cat(self.matches)  # (N, J)
         return {"step_accuracy": (self.correct / self.total.clamp(min=1)).tolist(),
-                "acceptance_length": acceptance_lengths(matches, torch.ones(len(matches), dtype=torch.bool))}
+                "acceptance_length": acceptance_lengths(matches, torch.ones(len(matches), dtype=torch.bool)),
+                "served_walk_acceptance_length": (self.walk_tokens / self.walk_steps.clamp(min=1)).tolist()}
 
 
 def load_drafts(checkpoint: str | Path) -> tuple[ttt.Eagle3Objective, ttt.Eagle3Objective, dict[str, Any]]:
@@ -127,8 +175,12 @@ def most_frequent_token(vocab_dir: str | Path, vocab_size: int) -> int:
 
 @torch.no_grad()
 def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | None = None,
-             batch_size: int = 8, max_length: int = 2048, steps: int = MAX_CHAIN) -> dict[str, Any]:
-    """Accuracy per TTT step and acceptance length by k for the draft and the two baselines."""
+             batch_size: int = 8, max_length: int = 2048, steps: int = MAX_CHAIN,
+             served_max_new_tokens: int | None = None) -> dict[str, Any]:
+    """Accuracy per TTT step and acceptance length by k for the draft and the two baselines.
+
+    served_max_new_tokens: the served walk covers only this many tokens of each last turn (as many as
+    `eval-served` generates); None: the whole turn."""
     trained, untrained, run_dict = load_drafts(checkpoint)
     held_out = check_held_out(shards, run_dict["data"]["shards"])
     trained.config.ttt_steps = untrained.config.ttt_steps = steps
@@ -147,14 +199,18 @@ def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | N
         num_records += len(batch["record_ids"])
         counted = batch["loss_mask"] & (batch["doc_ids"] >= 0)  # (B, S): start rows
         target_argmax = (batch["final"].float() @ trained.target_lm_head.float().T).argmax(-1)  # (B, S)
-        wanted = shifted_target_argmax(target_argmax, batch["doc_ids"], steps)[counted]  # (N, J)
+        wanted_all = shifted_target_argmax(target_argmax, batch["doc_ids"], steps)  # (B, S, J)
+        wanted = wanted_all[counted]  # (N, J)
         for name, objective in (("draft", trained), ("untrained", untrained)):
             out = objective(batch)
             counts[name].correct += out["correct"]
             counts[name].total += out["total"]
-            counts[name].matches.append(chain_proposals(objective.draft, batch, steps)[counted] == wanted)
+            matches = chain_proposals(objective.draft, batch, steps) == wanted_all  # (B, S, J)
+            counts[name].matches.append(matches[counted])
+            counts[name].add_walks(matches, counted, batch["doc_ids"], served_max_new_tokens)
         unigram_hits = (wanted == unigram)  # (N, J)
         counts["unigram"].matches.append(unigram_hits)
+        counts["unigram"].add_walks(wanted_all == unigram, counted, batch["doc_ids"], served_max_new_tokens)
         for step in range(steps):  # the unigram draft's TTT accuracy: share of counted rows of step i it hits
             in_record = ttt.shift_rows(batch["doc_ids"], step, -2) == batch["doc_ids"]  # (B, S)
             rows = ttt.shift_rows(counted, step, False) & in_record  # (B, S)
@@ -165,7 +221,8 @@ def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | N
     drafts = {name: count.result() for name, count in counts.items()}
     return {"checkpoint": str(checkpoint), "shards": str(shards), "held_out": held_out, "num_records": num_records,
             "num_start_positions": int(torch.cat(counts["draft"].matches).shape[0]), "chain_lengths":
-            list(range(1, steps + 1)), "unigram_token_id": unigram, "drafts": drafts}
+            list(range(1, steps + 1)), "unigram_token_id": unigram, "served_max_new_tokens": served_max_new_tokens,
+            "drafts": drafts}
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -178,6 +235,10 @@ def format_table(result: dict[str, Any]) -> str:
     for index, k in enumerate(result["chain_lengths"]):
         lines.append(f"{f'acceptance length k={k}':<22}"
                      + "".join(f"{result['drafts'][name]['acceptance_length'][index]:>11.3f}" for name in names))
+    for index, k in enumerate(result["chain_lengths"]):
+        if "served_walk_acceptance_length" in result["drafts"][names[0]]:
+            lines.append(f"{f'served walk k={k}':<22}" + "".join(
+                f"{result['drafts'][name]['served_walk_acceptance_length'][index]:>11.3f}" for name in names))
     return "\n".join(lines)
 
 

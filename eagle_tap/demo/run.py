@@ -54,6 +54,11 @@ class Config:
     """Every N-th conversation is held out for evaluation and never trained on."""
     max_new_tokens: int = 128
     """Longest regenerated assistant turn."""
+    train_temperature: float = 0.7
+    """Sampling temperature of the target's answers in the training set (variety for the draft to learn)."""
+    heldout_temperature: float = 0.0
+    """Of the held-out answers: greedy, as served speculative decoding is checked, so that the simulated and
+    the served acceptance are measured on the same text."""
     fire_concurrency: int = 8
     """Conversations in flight while firing."""
     serving_concurrency: int = 2
@@ -98,7 +103,7 @@ def run_demo(config: Config) -> dict[str, Any]:
     with _timed(timings, "export"):
         summary["export"] = export_draft(out)
     with _timed(timings, "served"):
-        summary["served"] = serve_drafts(config, out, heldout_data, summary["evaluation"])
+        summary["served"] = serve_drafts(config, out, summary["evaluation"])
     summary["timings_s"] = timings
     summary["wall_s"] = round(time.monotonic() - started_s, 1)
     summary["processes_left"] = summary["capture"]["processes_left"] + still_running(descendants())
@@ -214,8 +219,10 @@ def capture(config: Config, out: Path, train_data: Path, heldout_data: Path) -> 
                 collector = _start_collector(stack, out / "captures" / "heldout", collector_port, token)
                 remember()
                 print(f"collector restarted -> {collector.data_dir}", flush=True)
-            print(f"firing the {name} conversations (--regenerate) ...", flush=True)
-            result["fire"][name] = _fire(config, server.url, collector.url, token, data_path, out / "runs" / f"fire-{name}")
+            temperature = config.heldout_temperature if name == "heldout" else config.train_temperature
+            print(f"firing the {name} conversations (--regenerate, temperature {temperature}) ...", flush=True)
+            result["fire"][name] = _fire(config, server.url, collector.url, token, data_path,
+                                         out / "runs" / f"fire-{name}", temperature)
         result["collector"]["heldout"] = _stop_collector(collector, token)
         result["serving"] = traffic.stop()
         result["plugin"] = _plugin_stats(out / "spool")
@@ -243,7 +250,8 @@ def _stop_collector(collector, token: str) -> dict[str, Any]:
                                         "compression_ratio", "num_duplicates", "num_rejects", "durability")}
 
 
-def _fire(config: Config, server_url: str, collector_url: str, token: str, data_path: Path, run_dir: Path):
+def _fire(config: Config, server_url: str, collector_url: str, token: str, data_path: Path, run_dir: Path,
+          temperature: float):
     from client.endpoints import HttpConfig
     from client.fire import FireConfig, run_fire
     from client.regenerate import SamplingConfig
@@ -251,7 +259,7 @@ def _fire(config: Config, server_url: str, collector_url: str, token: str, data_
     fire_config = FireConfig(
         server_url=server_url, collector_url=collector_url, data_path=data_path, run_dir=run_dir, mode="regenerate",
         run_id=f"demo-{data_path.stem}", concurrency=config.fire_concurrency, collector_token=token,
-        sampling=SamplingConfig(temperature=0.7, max_new_tokens=config.max_new_tokens),
+        sampling=SamplingConfig(temperature=temperature, max_new_tokens=config.max_new_tokens),
         http=HttpConfig(max_connections=2 * config.fire_concurrency + 4))
     exit_code = run_fire(fire_config)
     if exit_code == 130:  # fire took the signal itself; from here on the stops must not be cut short
@@ -322,11 +330,14 @@ def train_draft(config: Config, out: Path) -> dict[str, Any]:
 def evaluate_draft(config: Config, out: Path) -> dict[str, Any]:
     from trainer.evaluate import evaluate, format_table, write_result
 
-    result = evaluate(out / "runs" / "train", out / "captures" / "heldout", max_length=config.max_length)
+    result = evaluate(out / "runs" / "train", out / "captures" / "heldout", max_length=config.max_length,
+                      served_max_new_tokens=config.served_max_new_tokens)
     path = write_result(result, out / "runs" / "eval")
     return {"eval_json": str(path), "plot": str(path.parent / "acceptance.png"), "table": format_table(result),
             "num_records": result["num_records"], "num_start_positions": result["num_start_positions"],
             "acceptance_length": {name: values["acceptance_length"] for name, values in result["drafts"].items()},
+            "served_walk_acceptance_length": {name: values["served_walk_acceptance_length"]
+                                              for name, values in result["drafts"].items()},
             "step_accuracy": {name: values["step_accuracy"] for name, values in result["drafts"].items()}}
 
 
@@ -337,18 +348,19 @@ def export_draft(out: Path) -> dict[str, Any]:
     return {"path": str(folder), "files": sorted(path.name for path in folder.iterdir())}
 
 
-def serve_drafts(config: Config, out: Path, heldout_data: Path, evaluation: dict[str, Any]) -> dict[str, Any]:
-    """The held-out conversations answered greedily by SGLang without a draft, with the trained draft and with
-    the untrained one (one server at a time); SGLang's acceptance figures beside eval's simulated ones."""
+def serve_drafts(config: Config, out: Path, evaluation: dict[str, Any]) -> dict[str, Any]:
+    """The held-out records' last turns answered greedily by SGLang without a draft, with the trained draft and
+    with the untrained one (one server at a time); SGLang's acceptance figures beside eval's simulated ones on
+    the same records (captured greedily too, so both score the same text)."""
     from trainer.export import export
 
     from eagle_tap.served.draft import SpeculativeConfig
-    from eagle_tap.served.evaluate import generate_all, load_prompts, plot_served, serving, summarize
+    from eagle_tap.served.evaluate import generate_all, plot_served, prompts_from_shards, serving, summarize
     from eagle_tap.tiny_model import TINY_MODEL_DIR
 
     drafts = {"draft": out / "draft", "untrained": export(out / "runs" / "train", out / "draft-untrained",
                                                           untrained=True)}
-    prompts, _ = load_prompts(heldout_data, TINY_MODEL_DIR)
+    prompts, _ = prompts_from_shards(out / "captures" / "heldout")
     served_dir = out / "runs" / "served"
     served_dir.mkdir(parents=True, exist_ok=True)
     runs = {}
@@ -363,6 +375,7 @@ def serve_drafts(config: Config, out: Path, heldout_data: Path, evaluation: dict
     for name in drafts:
         result = summarize(prompts, runs["baseline"], runs[name], config.served_steps)
         result["simulated_acceptance_length"] = evaluation["acceptance_length"][name][k_index]
+        result["simulated_walk_acceptance_length"] = evaluation["served_walk_acceptance_length"][name][k_index]
         results[name] = result
     (served_dir / "eval_served.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     plot_served(results["draft"], served_dir / "acceptance_served.png")

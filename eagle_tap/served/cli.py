@@ -14,7 +14,8 @@ def _eval_served(args: argparse.Namespace) -> int:
     from eagle_tap.served.evaluate import Config, evaluate_served, format_report
     from eagle_tap.sglang_server import ServerStartError
 
-    config = Config(target=Path(args.target), draft=Path(args.draft), data=Path(args.data), out_dir=Path(args.out),
+    config = Config(target=Path(args.target), draft=Path(args.draft), out_dir=Path(args.out),
+                    data=Path(args.data) if args.data else None, shards=Path(args.shards) if args.shards else None,
                     num_steps=args.num_steps, max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts,
                     server=args.server, baseline_server=args.baseline_server, device=args.device,
                     server_args=tuple(args.sglang_args), trust_remote_code=args.trust_remote_code,
@@ -38,7 +39,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "sglang.launch_server. Exit status 1 when an output differs, 2 on an error.")
     parser.add_argument("--target", required=True, help="target model folder (tokenizer, chat template)")
     parser.add_argument("--draft", required=True, help="exported draft folder (eagle-tap export)")
-    parser.add_argument("--data", required=True, help="conversations: JSONL, Parquet or a datasets folder")
+    prompts = parser.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--data", help="conversations: JSONL, Parquet or a datasets folder (up to the last user turn)")
+    prompts.add_argument("--shards", help="capture shards: each record up to its last loss span (what eval scores)")
     parser.add_argument("--out", required=True, help="folder for eval_served.json and acceptance_served.png")
     parser.add_argument("--num-steps", type=int, default=3, help="draft tokens per verify step (default 3)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")

@@ -13,8 +13,10 @@ one with it. Every figure comes from SGLang itself or from the responses:
 
 What must hold: nothing here trusts the draft's own report; a prompt whose response lacks SGLang's
 speculative figures fails the run (the server is not running the draft); every process started is
-stopped, also on error. Prompts are the dataset's conversations up to their last user turn, rendered
-with the target's chat template (earlier assistant turns stay, as the conversation had them).
+stopped, also on error. Prompts are a dataset's conversations up to their last user turn, rendered
+with the target's chat template (earlier assistant turns stay, as the conversation had them), or the
+records of capture shards up to their last loss span: then the served answers continue exactly the
+text `eagle-tap eval` scores on those shards, and the simulated acceptance can be set beside.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ class Config:
     """The target model folder (tokenizer and chat template; served unless both servers are given)."""
     draft: Path
     """The exported draft folder."""
-    data: Path
+    data: Path | None = None
     """Conversations as `fire` reads them (JSONL, Parquet or a datasets folder)."""
+    shards: Path | None = None
+    """Or capture shards: each record up to its last loss span is a prompt (the conversations `eval` scores)."""
     out_dir: Path
     """Where eval_served.json and acceptance_served.png go."""
     num_steps: int = 3
@@ -109,6 +113,27 @@ def load_prompts(data: Path, target: Path, *, max_prompts: int | None = None,
             skipped.append(f"{item.source}:{item.line}: {error}")
     if not prompts:
         raise ValueError(f"{data} holds no conversation with a user turn to answer ({len(skipped)} rows skipped)")
+    return prompts, skipped
+
+
+def prompts_from_shards(shard_dir: Path, *, max_prompts: int | None = None) -> tuple[list[Prompt], list[str]]:
+    """(prompts, reasons for the records skipped): each record's ids before its last loss span, so that the
+    served answer is generated where `eval` scores the record's last assistant turn."""
+    from capture_format import ShardDirectory
+    from capture_format.token_ids import read_token_ids
+
+    prompts, skipped = [], []
+    with ShardDirectory(shard_dir) as shards:
+        for entry in shards.iter_index():
+            if max_prompts is not None and len(prompts) >= max_prompts:
+                break
+            tokens = read_token_ids(entry)
+            if not tokens.loss_spans or tokens.loss_spans[-1][0] == 0:
+                skipped.append(f"{entry.record_id}: no loss span after a prompt")
+                continue
+            prompts.append(Prompt(entry.record_id, tokens.token_ids[: tokens.loss_spans[-1][0]].tolist()))
+    if not prompts:
+        raise ValueError(f"{shard_dir} holds no record with a prompt before a loss span ({len(skipped)} skipped)")
     return prompts, skipped
 
 
@@ -207,7 +232,9 @@ def simulated_acceptance(eval_json: Path, num_steps: int) -> dict[str, Any]:
     index = result["chain_lengths"].index(num_steps)
     return {"eval_json": str(eval_json), "shards": result["shards"],
             "acceptance_length": {name: values["acceptance_length"][index]
-                                  for name, values in result["drafts"].items()}}
+                                  for name, values in result["drafts"].items()},
+            "served_walk_acceptance_length": {name: values.get("served_walk_acceptance_length", [None] * (index + 1))[index]
+                                              for name, values in result["drafts"].items()}}
 
 
 def evaluate_served(config: Config, *, log=print) -> dict[str, Any]:
@@ -215,8 +242,13 @@ def evaluate_served(config: Config, *, log=print) -> dict[str, Any]:
     from eagle_tap.served.draft import check_draft_fits_target
 
     checked = check_draft_fits_target(config.draft, config.target)
-    prompts, skipped = load_prompts(config.data, config.target, max_prompts=config.max_prompts,
-                                    trust_remote_code=config.trust_remote_code)
+    if (config.data is None) == (config.shards is None):
+        raise ValueError("give the prompts as conversations (data) or as capture shards (shards), one of the two")
+    if config.shards is not None:
+        prompts, skipped = prompts_from_shards(config.shards, max_prompts=config.max_prompts)
+    else:
+        prompts, skipped = load_prompts(config.data, config.target, max_prompts=config.max_prompts,
+                                        trust_remote_code=config.trust_remote_code)
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     speculative = SpeculativeConfig(draft_dir=Path(config.draft), num_steps=config.num_steps)
@@ -227,7 +259,7 @@ def evaluate_served(config: Config, *, log=print) -> dict[str, Any]:
                      log_path=out / f"sglang-{name}.log") as server_url:
             log(f"{name}: generating at {server_url} ...")
             runs[name] = generate_all(server_url, prompts, config.max_new_tokens, config.request_timeout_s)
-    result = {"target": str(config.target), "draft": str(config.draft), "data": str(config.data),
+    result = {"target": str(config.target), "draft": str(config.draft), "prompts": str(config.shards or config.data),
               "draft_check": checked, "max_new_tokens": config.max_new_tokens, "skipped_rows": skipped,
               **summarize(prompts, runs["baseline"], runs["draft"], config.num_steps)}
     if config.simulated is not None:
@@ -249,8 +281,11 @@ def format_report(result: dict[str, Any]) -> str:
                  f"without (ratio {result['decode_speed_ratio']:.2f})")
     lines.append(f"outputs identical to no draft    {result['num_identical_outputs']}/{result['num_prompts']}")
     if "simulated" in result:
+        walk = result["simulated"]["served_walk_acceptance_length"]["draft"]
         simulated = result["simulated"]["acceptance_length"]["draft"]
-        lines.append(f"simulated acceptance (eval, k={k}) {simulated:.3f} "
+        if walk is not None:
+            lines.append(f"simulated, served walk (eval)     {walk:.3f} (served/simulated {result['acceptance_length'] / walk:.2f})")
+        lines.append(f"simulated, every position (eval)  {simulated:.3f} "
                      f"(served/simulated {result['acceptance_length'] / simulated:.2f})")
     return "\n".join(lines)
 
