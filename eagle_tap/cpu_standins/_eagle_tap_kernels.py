@@ -239,18 +239,32 @@ def _unsupported(op: str, what: str) -> NotImplementedError:
     return NotImplementedError(f"eagle-tap's torch {op} does not support {what} (the tiny CPU test targets need none)")
 
 
-def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
-            sm_scale: float, logit_cap: float) -> torch.Tensor:
-    """Softmax attention in fp32. query (Q, Hq, D), keys (K, Hkv, D), values (K, Hkv, Dv), visible (Q, K) bool."""
-    group = query.shape[1] // keys.shape[1]
-    keys = keys.float().repeat_interleave(group, dim=1)  # (K, Hq, D)
-    values = values.float().repeat_interleave(group, dim=1)  # (K, Hq, Dv)
-    scores = torch.einsum("qhd,khd->hqk", query.float(), keys) * sm_scale  # (Hq, Q, K)
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, sm_scale: float, logit_cap: float,
+            visible: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    """Attention of query (Q, Hq, D) over keys (K, Hkv, D) / values (K, Hkv, Dv) -> (Q, Hq, Dv), in query's dtype.
+
+    visible (Q, K) bool, or causal (Q == K). Without a logit cap this is torch's scaled_dot_product_attention
+    laid out as SGLang's `TorchNativeAttnBackend` calls it, so that a server with a draft computes the
+    target's attention with the same rounding as one without (greedy outputs are compared token for token).
+    With a logit cap (which that backend ignores) the scores are capped in fp32."""
     if logit_cap > 0:
+        group = query.shape[1] // keys.shape[1]
+        expanded_keys = keys.float().repeat_interleave(group, dim=1)  # (K, Hq, D)
+        expanded_values = values.float().repeat_interleave(group, dim=1)  # (K, Hq, Dv)
+        scores = torch.einsum("qhd,khd->hqk", query.float(), expanded_keys) * sm_scale  # (Hq, Q, K)
         scores = logit_cap * torch.tanh(scores / logit_cap)
-    if visible is not None:
-        scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values)  # (Q, Hq, Dv)
+        if causal:
+            visible = torch.ones(scores.shape[1:], dtype=torch.bool).tril()
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), expanded_values)  # (Q, Hq, Dv)
+        return out.to(query.dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.movedim(0, 1).unsqueeze(0),  # (1, Hq, Q, D)
+        keys.to(query.dtype).movedim(0, 1).unsqueeze(0),  # (1, Hkv, K, D)
+        values.to(query.dtype).movedim(0, 1).unsqueeze(0),  # (1, Hkv, K, Dv)
+        attn_mask=visible, is_causal=causal, scale=sm_scale, enable_gqa=query.shape[1] != keys.shape[1])
+    return out.squeeze(0).movedim(0, 1)  # (Q, Hq, Dv)
 
 
 def _window(visible: torch.Tensor, query_positions: torch.Tensor, sliding_window: int) -> torch.Tensor:
@@ -259,6 +273,12 @@ def _window(visible: torch.Tensor, query_positions: torch.Tensor, sliding_window
         return visible
     key_positions = torch.arange(visible.shape[1])
     return visible & (key_positions[None, :] > query_positions[:, None] - sliding_window)
+
+
+def _cached(buffer: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """Rows `slots` of a KV buffer, scaled back where the buffer holds scaled (fp8) values."""
+    rows = buffer[slots]
+    return rows if scale == 1.0 else rows.float() * scale
 
 
 def decode_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float,
@@ -280,10 +300,11 @@ def decode_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         v_cache[loc] = value.to(v_cache.dtype)
     for b, (request, seq_len) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
         slots = req_to_token[request, :seq_len].to(torch.int64)
-        keys = k_cache[slots].float() * k_scale  # (K, Hkv, D)
-        values = v_cache[slots].float() * v_scale  # (K, Hkv, Dv)
-        visible = _window(torch.ones((1, seq_len), dtype=torch.bool), torch.tensor([seq_len - 1]), sliding_window)
-        output[b] = _attend(query[b:b + 1], keys, values, visible, sm_scale, logit_cap)[0].to(output.dtype)
+        visible = None
+        if sliding_window > 0:
+            visible = _window(torch.ones((1, seq_len), dtype=torch.bool), torch.tensor([seq_len - 1]), sliding_window)
+        output[b] = _attend(query[b:b + 1], _cached(k_cache, slots, k_scale), _cached(v_cache, slots, v_scale),
+                            sm_scale=sm_scale, logit_cap=logit_cap, visible=visible)[0].to(output.dtype)
 
 
 def extend_attention_cpu(q_extend: torch.Tensor, k_extend: torch.Tensor | None, v_extend: torch.Tensor | None,
@@ -300,31 +321,37 @@ def extend_attention_cpu(q_extend: torch.Tensor, k_extend: torch.Tensor | None, 
     The prefix is visible to every new token; among the new tokens visibility is causal, or given by
     `tree_mask` in QLEN_ONLY layout ([bs, n, n] flattened: row i, column j says whether draft token i
     sees draft token j), or full when not causal. `o_extend` (N, Hq, Dv) is written in place.
-    Mirrors the call in `IntelAMXAttnBackend.forward_extend`.
+    As in `TorchNativeAttnBackend`, each sequence's queries sit at their positions in a full-length
+    query block, so causal attention is one call. Mirrors the call in `IntelAMXAttnBackend.forward_extend`.
     """
     if is_cross_attention or encoder_lens is not None or sinks is not None:
         raise _unsupported("extend_attention_cpu", "cross attention, encoder lengths or attention sinks")
     mask_offset = 0
-    for b, (request, seq_len, extend_len, start) in enumerate(zip(
-            req_pool_indices.tolist(), seq_lens.tolist(), extend_seq_lens.tolist(), extend_start_loc.tolist())):
+    for request, seq_len, extend_len, start in zip(
+            req_pool_indices.tolist(), seq_lens.tolist(), extend_seq_lens.tolist(), extend_start_loc.tolist()):
         prefix_len = seq_len - extend_len
         slots = req_to_token[request, :seq_len].to(torch.int64)
-        keys = k_buffer[slots].float() * k_scale  # (K, Hkv, D)
-        values = v_buffer[slots].float() * v_scale  # (K, Hkv, Dv)
+        keys, values = _cached(k_buffer, slots, k_scale), _cached(v_buffer, slots, v_scale)  # (K, Hkv, D|Dv)
         if k_extend is not None and v_extend is not None:
-            keys[prefix_len:] = k_extend[start:start + extend_len].float()
-            values[prefix_len:] = v_extend[start:start + extend_len].float()
-        visible = torch.ones((extend_len, seq_len), dtype=torch.bool)  # (Q, K)
-        if tree_mask is not None:
-            block = tree_mask[mask_offset: mask_offset + extend_len * extend_len].view(extend_len, extend_len)
-            visible[:, prefix_len:] = block
-            mask_offset += extend_len * extend_len
-        elif is_causal:
-            visible[:, prefix_len:] = torch.ones((extend_len, extend_len), dtype=torch.bool).tril()
-        query_positions = prefix_len + torch.arange(extend_len)
-        visible = _window(visible, query_positions, sliding_window)
-        queries = q_extend[start:start + extend_len]  # (Q, Hq, D)
-        o_extend[start:start + extend_len] = _attend(queries, keys, values, visible, sm_scale, logit_cap).to(o_extend.dtype)
+            keys = keys.clone()
+            values = values.clone()
+            keys[prefix_len:] = k_extend[start:start + extend_len].to(keys.dtype)
+            values[prefix_len:] = v_extend[start:start + extend_len].to(values.dtype)
+        queries = q_extend.new_zeros((seq_len, *q_extend.shape[1:]))  # (K, Hq, D): rows before prefix_len unused
+        queries[prefix_len:] = q_extend[start:start + extend_len]
+        visible, causal = None, is_causal
+        if tree_mask is not None or sliding_window > 0:
+            visible = torch.ones((seq_len, seq_len), dtype=torch.bool).tril()  # (Q, K) over the full block
+            if tree_mask is not None:
+                block = tree_mask[mask_offset: mask_offset + extend_len * extend_len].view(extend_len, extend_len)
+                visible[prefix_len:, prefix_len:] = block
+                mask_offset += extend_len * extend_len
+            elif not is_causal:
+                visible[prefix_len:, prefix_len:] = True
+            visible = _window(visible, torch.arange(seq_len), sliding_window)
+            causal = False
+        out = _attend(queries, keys, values, sm_scale=sm_scale, logit_cap=logit_cap, visible=visible, causal=causal)
+        o_extend[start:start + extend_len] = out[prefix_len:].to(o_extend.dtype)
 
 
 # Schemas for torch.ops.sgl_kernel.*, positional as `IntelAMXAttnBackend` calls them (SGLang 0.5.23).

@@ -355,7 +355,8 @@ def serve_drafts(config: Config, out: Path, evaluation: dict[str, Any]) -> dict[
     from trainer.export import export
 
     from eagle_tap.served.draft import SpeculativeConfig
-    from eagle_tap.served.evaluate import generate_all, plot_served, prompts_from_shards, serving, summarize
+    from eagle_tap.served.evaluate import (explain_mismatches, generate_all, plot_served, prompts_from_shards, serving,
+                                           summarize)
     from eagle_tap.tiny_model import TINY_MODEL_DIR
 
     drafts = {"draft": out / "draft", "untrained": export(out / "runs" / "train", out / "draft-untrained",
@@ -364,18 +365,22 @@ def serve_drafts(config: Config, out: Path, evaluation: dict[str, Any]) -> dict[
     served_dir = out / "runs" / "served"
     served_dir.mkdir(parents=True, exist_ok=True)
     runs = {}
-    for name in ("baseline", *drafts):
+    for name in (*drafts, "baseline"):  # the baseline last: differing outputs are asked about again there
         speculative = None if name == "baseline" else SpeculativeConfig(draft_dir=drafts[name],
                                                                         num_steps=config.served_steps)
         print(f"serving {name} ({len(prompts)} held-out conversations, greedy) ...", flush=True)
         with serving(TINY_MODEL_DIR, speculative, log_path=out / "logs" / f"sglang-served-{name}.log") as url:
             runs[name] = generate_all(url, prompts, config.served_max_new_tokens, timeout_s=600)
+            if name == "baseline":
+                mismatches = {draft: explain_mismatches(url, prompts, runs["baseline"], runs[draft])
+                              for draft in drafts}
     k_index = evaluation_chain_index(evaluation, config.served_steps)
     results = {}
     for name in drafts:
         result = summarize(prompts, runs["baseline"], runs[name], config.served_steps)
         result["simulated_acceptance_length"] = evaluation["acceptance_length"][name][k_index]
         result["simulated_walk_acceptance_length"] = evaluation["served_walk_acceptance_length"][name][k_index]
+        result["mismatches"] = mismatches[name]
         results[name] = result
     (served_dir / "eval_served.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     plot_served(results["draft"], served_dir / "acceptance_served.png")

@@ -168,6 +168,31 @@ def generate_all(url: str, prompts: Sequence[Prompt], max_new_tokens: int, timeo
         return [generate(client, url, prompt, max_new_tokens) for prompt in prompts]
 
 
+def explain_mismatches(url: str, prompts: Sequence[Prompt], baseline: Sequence[Generation],
+                       speculative: Sequence[Generation], timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """For each output that differs from the no-draft one: where, which tokens, and the no-draft server's own
+    top-2 log-probability gap there (asked again at that point). A gap near 0 is a tie that the two forwards'
+    rounding (a verify batch of k+1 tokens against one decode token) may break either way."""
+    explained = []
+    with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0)) as client:
+        for prompt, base, spec in zip(prompts, baseline, speculative):
+            if base.output_ids == spec.output_ids:
+                continue
+            index = next((i for i, (a, b) in enumerate(zip(base.output_ids, spec.output_ids)) if a != b),
+                         min(len(base.output_ids), len(spec.output_ids)))
+            payload = {"input_ids": prompt.input_ids + base.output_ids[:index], "return_logprob": True,
+                       "top_logprobs_num": 2, "sampling_params": {"temperature": 0, "max_new_tokens": 1}}
+            response = client.post(f"{url}/generate", json=payload)
+            response.raise_for_status()
+            top = response.json()["meta_info"]["output_top_logprobs"][0]  # [[logprob, token id, text], ...]
+            explained.append({"prompt": prompt.key, "index": index,
+                              "baseline_token": base.output_ids[index] if index < len(base.output_ids) else None,
+                              "draft_token": spec.output_ids[index] if index < len(spec.output_ids) else None,
+                              "top2_tokens": [entry[1] for entry in top[:2]],
+                              "top2_logprob_gap": top[0][0] - top[1][0] if len(top) > 1 else None})
+    return explained
+
+
 def summarize(prompts: Sequence[Prompt], baseline: Sequence[Generation], speculative: Sequence[Generation],
               num_steps: int) -> dict[str, Any]:
     """The figures of the module docstring, from the two runs' responses."""
@@ -254,14 +279,17 @@ def evaluate_served(config: Config, *, log=print) -> dict[str, Any]:
     speculative = SpeculativeConfig(draft_dir=Path(config.draft), num_steps=config.num_steps)
     log(f"{len(prompts)} prompts ({len(skipped)} rows skipped); greedy, up to {config.max_new_tokens} new tokens each")
     runs: dict[str, list[Generation]] = {}
-    for name, url, spec in (("baseline", config.baseline_server, None), ("draft", config.server, speculative)):
+    # The draft first: while the no-draft server is up, any output that differs is asked about again there.
+    for name, url, spec in (("draft", config.server, speculative), ("baseline", config.baseline_server, None)):
         with serving(config.target, spec, url=url, device=config.device, server_args=config.server_args,
                      log_path=out / f"sglang-{name}.log") as server_url:
             log(f"{name}: generating at {server_url} ...")
             runs[name] = generate_all(server_url, prompts, config.max_new_tokens, config.request_timeout_s)
+            if name == "baseline":
+                mismatches = explain_mismatches(server_url, prompts, runs["baseline"], runs["draft"])
     result = {"target": str(config.target), "draft": str(config.draft), "prompts": str(config.shards or config.data),
               "draft_check": checked, "max_new_tokens": config.max_new_tokens, "skipped_rows": skipped,
-              **summarize(prompts, runs["baseline"], runs["draft"], config.num_steps)}
+              **summarize(prompts, runs["baseline"], runs["draft"], config.num_steps), "mismatches": mismatches}
     if config.simulated is not None:
         result["simulated"] = simulated_acceptance(config.simulated, config.num_steps)
     (out / "eval_served.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
@@ -280,6 +308,11 @@ def format_report(result: dict[str, Any]) -> str:
     lines.append(f"decode tokens/s                  {speeds['draft']:.1f} with the draft, {speeds['baseline']:.1f} "
                  f"without (ratio {result['decode_speed_ratio']:.2f})")
     lines.append(f"outputs identical to no draft    {result['num_identical_outputs']}/{result['num_prompts']}")
+    for mismatch in result.get("mismatches", []):
+        gap = mismatch["top2_logprob_gap"]
+        lines.append(f"  {mismatch['prompt']}: differs at output token {mismatch['index']} ({mismatch['baseline_token']} "
+                     f"without the draft, {mismatch['draft_token']} with it); the no-draft top-2 log-prob gap "
+                     f"there: {'n/a' if gap is None else f'{gap:.4f}'}")
     if "simulated" in result:
         walk = result["simulated"]["served_walk_acceptance_length"]["draft"]
         simulated = result["simulated"]["acceptance_length"]["draft"]
