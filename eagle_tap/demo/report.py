@@ -27,6 +27,11 @@ def served_table(served: dict[str, Any]) -> list[str]:
             ("decode speed vs no draft", lambda r: f"{r['decode_speed_ratio']:.2f}x"),
             ("outputs identical", lambda r: f"{r['num_identical_outputs']}/{r['num_prompts']}")]
     lines += [f"{label:<30}" + "".join(f"{cell(results[name]):>11}" for name in names) for label, cell in rows]
+    for name in names:
+        for mismatch in results[name].get("mismatches", []):
+            lines.append(f"  {name}: record {mismatch['prompt']} differs at output token {mismatch['index']}, where the "
+                         f"no-draft top-2 log-probs were {mismatch['top2_logprob_gap']:.3f} apart "
+                         + ("(a rounding tie)" if mismatch["top2_logprob_gap"] < 0.1 else "(NOT a tie)"))
     return lines + [""]
 
 
