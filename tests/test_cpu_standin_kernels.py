@@ -206,6 +206,14 @@ def _cases() -> list[dict[str, Any]]:
                 **_build_tree_args(gen, batch_size, topk, num_steps, num_draft_tokens, mode))
         add(f"verify_tree_greedy-{name}", "verify_tree_greedy",
             **_verify_args(gen, batch_size, topk, num_steps, num_draft_tokens, vocab_size=3))
+    # A draft token whose parent fell out of the selection (its score tied the parent's: a draft probability
+    # of exactly 1.0): the twin leaves it unlinked and ends its mask path at the missing parent.
+    for mode_name, mode in [("qlen_only", 1), ("full_mask", 0)]:
+        seq_lens = torch.tensor([5, 3])
+        add(f"build_tree-orphan-{mode_name}", "build_tree_kernel_efficient",
+            parent_list=torch.tensor([[-1, 0, 1], [-1, 0, 1]]), selected_index=torch.tensor([[0, 4], [1, 2]]),
+            verified_seq_len=seq_lens, **_tree_buffers(2, 3, seq_lens, mode), topk=2, depth=2,
+            draft_token_num=3, tree_mask_mode=mode)
     add("verify_tree_greedy-chain-all-accepted", "verify_tree_greedy",
         **_verify_args(gen, 2, 1, 4, 5, vocab_size=50, accept_all=True))
     add("verify_tree_greedy-bs4-topk2-large-vocab", "verify_tree_greedy",
