@@ -240,6 +240,16 @@ def _stand_in_subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _run_stand_in(case: dict[str, Any]) -> dict[str, Any]:
+    """The case's arguments (copies) after its stand-in ran on them, called as SGLang's call site calls it."""
+    args = {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in case["args"].items()}
+    if case["op"] == "verify_tree_greedy":
+        STANDINS[case["op"]](**args)  # with keywords
+    else:
+        STANDINS[case["op"]](*args.values())  # positionally, in the call site's order
+    return args
+
+
 @pytest.fixture(scope="module")
 def triton_results() -> dict[str, dict[str, Any]]:
     """Every case run once through its Triton twin, in one interpreter subprocess."""
@@ -253,11 +263,7 @@ def triton_results() -> dict[str, dict[str, Any]]:
 
 @pytest.mark.parametrize("case", CASES, ids=[case["name"] for case in CASES])
 def test_matches_triton_twin(case: dict[str, Any], triton_results: dict[str, dict[str, Any]]) -> None:
-    args = {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in case["args"].items()}
-    if case["op"] == "verify_tree_greedy":
-        STANDINS[case["op"]](**args)  # SGLang calls it with keywords
-    else:
-        STANDINS[case["op"]](*args.values())  # positionally, in the call site's order
+    args = _run_stand_in(case)
     expected = triton_results[case["name"]]
     for name, written in expected.items():
         assert args[name].dtype == case["args"][name].dtype, f"{name} changed dtype"
@@ -268,9 +274,7 @@ def test_the_cases_are_not_vacuous() -> None:
     """Every op has cases, and every case but the empty ones makes the stand-in write something."""
     assert {case["op"] for case in CASES} == set(STANDINS)
     for case in CASES:
-        args = {name: v.clone() if isinstance(v, torch.Tensor) else v for name, v in case["args"].items()}
-        call = STANDINS[case["op"]]
-        call(**args) if case["op"] == "verify_tree_greedy" else call(*args.values())
+        args = _run_stand_in(case)
         writes = any(not torch.equal(value, args[name]) for name, value in case["args"].items()
                      if isinstance(value, torch.Tensor))
         assert writes == ("empty" not in case["name"] and "len0" not in case["name"]), case["name"]
@@ -513,3 +517,20 @@ def test_stand_in_package_registers_attention_ops_and_refuses_the_rest() -> None
                                            torch.ones(3, 3, dtype=torch.bool).tril(), 0.5, 0.0)
     torch.testing.assert_close(torch.tensor(report["op"]["decode"]), expected_decode, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.tensor(report["op"]["extend"]), expected_extend, rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_inputs_raise_a_clear_error() -> None:
+    """Sinks, cross attention and bit-packed tree masks are refused, not computed wrongly."""
+    query, cache = torch.zeros(1, 2, 4), torch.zeros(4, 1, 4)
+    table, rows, lens = torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, dtype=torch.int64), torch.tensor([1])
+    with pytest.raises(NotImplementedError, match="decode_attention_cpu does not support .*attention sinks"):
+        kernels.decode_attention_cpu(query, cache, cache, 1.0, 1.0, torch.zeros(1, 2, 4), None, None,
+                                     torch.tensor([0]), torch.zeros(1), table, rows, lens, 0.5, 0.0, False, 0, None,
+                                     torch.zeros(2))
+    with pytest.raises(NotImplementedError, match="extend_attention_cpu does not support cross attention"):
+        kernels.extend_attention_cpu(query, None, None, torch.zeros(1, 2, 4), cache, cache, 1.0, 1.0, table, rows,
+                                     lens, torch.tensor([1]), torch.tensor([0]), 1, 0.5, 0.0, True, 0, None, None,
+                                     None, False)
+    tree = _build_tree_args(torch.Generator().manual_seed(6), 1, 2, 2, 3, mode=1)
+    with pytest.raises(ValueError, match="tree mask mode 2 is not supported on CPU"):
+        kernels.build_tree_kernel_efficient_cpu(*{**tree, "tree_mask_mode": 2}.values())

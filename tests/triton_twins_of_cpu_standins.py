@@ -48,24 +48,18 @@ def _twins() -> dict[str, tuple[Callable[..., None], tuple[str, ...]]]:
     from sglang.kernels.ops.speculative import cache_locs, eagle, spec_tree
     from sglang.srt.mem_cache import allocation
 
-    def assign_req_to_token_pool(*, req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
-                                 pool_len):
-        batch_size = req_pool_indices.numel()
-        allocation.assign_req_to_token_pool[(batch_size,)](
-            req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len,
-            _next_power_of_2(batch_size))
+    def offset_range_launch(kernel) -> Callable[..., None]:
+        """Both start/end-offset kernels: one program per request, the batch's power of 2 for the prefix sum."""
+        def launch(*, req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
+            batch_size = req_pool_indices.numel()
+            kernel[(batch_size,)](req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len,
+                                  _next_power_of_2(batch_size))
+        return launch
 
     def assign_draft_cache_locs_contiguous(*, req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len,
                                            topk, num_steps):
         cache_locs.assign_draft_cache_locs_contiguous[(seq_lens.numel(),)](
             req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len, topk, num_steps)
-
-    def assign_extend_cache_locs(*, req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
-                                 pool_len):
-        batch_size = req_pool_indices.numel()
-        cache_locs.assign_extend_cache_locs[(batch_size,)](
-            req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len,
-            _next_power_of_2(batch_size))
 
     def fill_bonus_tokens(*, accept_tokens, accept_lens, bonus_tokens, accept_stride):
         eagle.fill_bonus_tokens[(accept_lens.numel(),)](accept_tokens, accept_lens, bonus_tokens, accept_stride)
@@ -88,9 +82,9 @@ def _twins() -> dict[str, tuple[Callable[..., None], tuple[str, ...]]]:
                                                depth, draft_token_num, spec_tree.TreeMaskMode(tree_mask_mode))
 
     return {
-        "assign_req_to_token_pool": (assign_req_to_token_pool, ("req_to_token",)),
+        "assign_req_to_token_pool": (offset_range_launch(allocation.assign_req_to_token_pool), ("req_to_token",)),
         "assign_draft_cache_locs_contiguous": (assign_draft_cache_locs_contiguous, ("out_cache_loc",)),
-        "assign_extend_cache_locs": (assign_extend_cache_locs, ("out_cache_loc",)),
+        "assign_extend_cache_locs": (offset_range_launch(cache_locs.assign_extend_cache_locs), ("out_cache_loc",)),
         "fill_bonus_tokens": (fill_bonus_tokens, ("bonus_tokens",)),
         "fill_accept_out_cache_loc": (fill_accept_out_cache_loc, ("accept_out_cache_loc",)),
         "verify_tree_greedy": (verify_tree_greedy, ("predicts", "accept_index", "accept_token_num")),
