@@ -7,9 +7,11 @@ What must hold, per op of `eagle_tap/cpu_standins/_eagle_tap_kernels.py`:
   and int64 index tensors SGLang passes;
 - `copy_all_layer_kv_cache_cpu` (raw addresses, which the interpreter cannot dereference) equals a direct
   gather-then-scatter per buffer, also when targets and sources overlap;
-- the attention ops equal per-sequence softmax attention (`scaled_dot_product_attention`, or a float64
-  definition for the tanh logit cap), with GQA, the prefix visible, causal or tree-masked new tokens,
-  sliding windows and decode's own KV write;
+- the attention ops equal SGLang's Triton decode/extend attention kernels (same subprocess; inputs turned
+  into the KV index lists and FULL_MASK rows the Triton backend builds) and per-sequence softmax attention
+  (`scaled_dot_product_attention`, or a float64 definition for the tanh logit cap), with GQA, the prefix
+  visible, causal, non-causal or tree-masked new tokens, decode's own KV write, and sliding windows (these
+  against the per-sequence reference only: the Triton backend windows through its index lists);
 - `build_draft_decode_metadata_cpu` keeps the contract of its docstring, which is the slot layout
   `assign_draft_cache_locs_contiguous` hands out;
 - the stand-in `sgl_kernel` registers the attention ops under `torch.ops.sgl_kernel` and still raises
@@ -146,6 +148,101 @@ def _pool_write_args(gen: torch.Generator, lengths: list[int], offset_dtype: tor
     }
 
 
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, V_HEAD_DIM = 4, 2, 8, 6
+
+
+def _kv_pool(gen: torch.Generator, num_slots: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.randn(num_slots, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype),
+            torch.randn(num_slots, NUM_KV_HEADS, V_HEAD_DIM, generator=gen).to(dtype))
+
+
+def _decode_args(gen: torch.Generator, seq_lens: list[int], logit_cap: float, sliding_window: int, write_kv: bool,
+                 dtype: torch.dtype) -> dict[str, Any]:
+    """`decode_attention_cpu`'s arguments as `IntelAMXAttnBackend.forward_decode` passes them."""
+    batch_size, pool_len, num_rows, num_slots = len(seq_lens), 12, 6, 80
+    k_cache, v_cache = _kv_pool(gen, num_slots, dtype)
+    req_to_token = _pool(gen, num_rows, pool_len, num_slots)
+    req_pool_indices = _rows(gen, num_rows, batch_size, torch.int64)
+    loc = torch.stack([req_to_token[r, n - 1] for r, n in zip(req_pool_indices.tolist(), seq_lens)]).long()
+    return {
+        "query": torch.randn(batch_size, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(dtype),  # (B, Hq, D)
+        "k_cache": k_cache, "v_cache": v_cache, "k_scale": 1.0, "v_scale": 1.0,
+        "output": torch.full((batch_size, NUM_Q_HEADS, V_HEAD_DIM), float(PAD), dtype=dtype),  # (B, Hq, Dv)
+        "key": torch.randn(batch_size, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype) if write_kv else None,
+        "value": torch.randn(batch_size, NUM_KV_HEADS, V_HEAD_DIM, generator=gen).to(dtype) if write_kv else None,
+        "loc": loc, "attn_logits": torch.zeros(batch_size, NUM_Q_HEADS, 8, V_HEAD_DIM + 1),
+        "req_to_token": req_to_token, "req_pool_indices": req_pool_indices,
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int64), "sm_scale": HEAD_DIM ** -0.5, "logit_cap": logit_cap,
+        "is_cross_attention": False, "sliding_window": sliding_window, "encoder_lens": None, "sinks": None,
+    }
+
+
+def _tree_visibility(gen: torch.Generator, extend_len: int) -> torch.Tensor:
+    """(n, n) a QLEN_ONLY tree mask of a random tree: token i sees itself and its ancestors."""
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, extend_len)]
+    visible = torch.eye(extend_len, dtype=torch.bool)
+    for token in range(extend_len):
+        ancestor = parents[token]
+        while ancestor != -1:
+            visible[token, ancestor] = True
+            ancestor = parents[ancestor]
+    return visible
+
+
+def _extend_args(gen: torch.Generator, prefix_lens: list[int], extend_lens: list[int], masking: str,
+                 logit_cap: float, sliding_window: int, pass_new_kv: bool) -> dict[str, Any]:
+    """`extend_attention_cpu`'s arguments as `IntelAMXAttnBackend.forward_extend` passes them, after the
+    backend stored the new tokens' K/V in the buffers."""
+    batch_size, pool_len, num_rows, num_slots = len(prefix_lens), 12, 6, 80
+    k_buffer, v_buffer = _kv_pool(gen, num_slots, torch.float32)
+    req_to_token = _pool(gen, num_rows, pool_len, num_slots)
+    req_pool_indices = _rows(gen, num_rows, batch_size, torch.int64)
+    num_tokens = sum(extend_lens)
+    starts = [sum(extend_lens[:b]) for b in range(batch_size)]
+    k_extend = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen)  # (N, Hkv, D)
+    v_extend = torch.randn(num_tokens, NUM_KV_HEADS, V_HEAD_DIM, generator=gen)  # (N, Hkv, Dv)
+    for b, r in enumerate(req_pool_indices.tolist()):
+        new_slots = req_to_token[r, prefix_lens[b]:prefix_lens[b] + extend_lens[b]].long()
+        k_buffer[new_slots] = k_extend[starts[b]:starts[b] + extend_lens[b]]
+        v_buffer[new_slots] = v_extend[starts[b]:starts[b] + extend_lens[b]]
+    tree_mask = (torch.cat([_tree_visibility(gen, n).flatten() for n in extend_lens]) if masking == "tree"
+                 else None)  # (sum n*n,) QLEN_ONLY
+    return {
+        "q_extend": torch.randn(num_tokens, NUM_Q_HEADS, HEAD_DIM, generator=gen),  # (N, Hq, D)
+        "k_extend": k_extend if pass_new_kv else None, "v_extend": v_extend if pass_new_kv else None,
+        "o_extend": torch.full((num_tokens, NUM_Q_HEADS, V_HEAD_DIM), float(PAD)),  # (N, Hq, Dv)
+        "k_buffer": k_buffer, "v_buffer": v_buffer, "k_scale": 1.0, "v_scale": 1.0,
+        "req_to_token": req_to_token, "req_pool_indices": req_pool_indices,
+        "seq_lens": torch.tensor([p + n for p, n in zip(prefix_lens, extend_lens)]),
+        "extend_seq_lens": torch.tensor(extend_lens, dtype=torch.int32),
+        "extend_start_loc": torch.tensor(starts, dtype=torch.int32), "max_len_extend": max(extend_lens),
+        "sm_scale": 0.3, "logit_cap": logit_cap, "is_cross_attention": False, "sliding_window": sliding_window,
+        "encoder_lens": None, "sinks": None, "tree_mask": tree_mask, "is_causal": masking != "full",
+    }
+
+
+DECODE_CASES = [  # name, seq_lens, logit_cap, sliding_window, write_kv, dtype
+    ("gqa", [5, 9, 1], 0.0, 0, True, torch.float32),
+    ("bs1-len1", [1], 0.0, 0, True, torch.float32),
+    ("logit-cap", [7, 3], 2.0, 0, True, torch.float32),
+    ("window", [9, 2, 6], 0.0, 4, True, torch.float32),
+    ("cache-only", [6, 4], 0.0, 0, False, torch.float32),
+    ("bf16", [8, 5], 0.0, 0, True, torch.bfloat16),
+]
+
+
+EXTEND_CASES = [  # name, prefix_lens, extend_lens, masking, logit_cap, sliding_window, pass_new_kv
+    ("causal-gqa", [3, 0, 6], [4, 2, 1], "causal", 0.0, 0, True),
+    ("bs1-len1", [0], [1], "causal", 0.0, 0, True),
+    ("non-causal", [2, 5], [3, 2], "full", 0.0, 0, True),
+    ("tree-mask", [4, 7, 1], [5, 5, 5], "tree", 0.0, 0, True),
+    ("logit-cap", [5, 2], [3, 4], "causal", 3.0, 0, True),
+    ("window", [6, 1], [4, 3], "causal", 0.0, 3, True),
+    ("new-kv-from-cache", [3, 4], [2, 3], "causal", 0.0, 0, False),
+    ("one-request-adds-nothing", [4, 2], [0, 3], "causal", 0.0, 0, True),
+]
+
+
 def _cases() -> list[dict[str, Any]]:
     gen = torch.Generator().manual_seed(0)
     cases: list[dict[str, Any]] = []
@@ -214,6 +311,16 @@ def _cases() -> list[dict[str, Any]]:
             parent_list=torch.tensor([[-1, 0, 1], [-1, 0, 1]]), selected_index=torch.tensor([[0, 4], [1, 2]]),
             verified_seq_len=seq_lens, **_tree_buffers(2, 3, seq_lens, mode), topk=2, depth=2,
             draft_token_num=3, tree_mask_mode=mode)
+    # attention: SGLang's Triton attention kernels, where they take the same inputs (no window: the Triton
+    # backend windows through its KV index lists, which these ops do not take)
+    for name, seq_lens, logit_cap, sliding_window, write_kv, dtype in DECODE_CASES:
+        if sliding_window == 0 and dtype == torch.float32:
+            add(f"decode_attention-{name}", "decode_attention",
+                **_decode_args(gen, seq_lens, logit_cap, sliding_window, write_kv, dtype))
+    for name, prefix_lens, extend_lens, masking, logit_cap, sliding_window, pass_new_kv in EXTEND_CASES:
+        if sliding_window == 0:
+            add(f"extend_attention-{name}", "extend_attention",
+                **_extend_args(gen, prefix_lens, extend_lens, masking, logit_cap, sliding_window, pass_new_kv))
     add("verify_tree_greedy-chain-all-accepted", "verify_tree_greedy",
         **_verify_args(gen, 2, 1, 4, 5, vocab_size=50, accept_all=True))
     add("verify_tree_greedy-bs4-topk2-large-vocab", "verify_tree_greedy",
@@ -230,6 +337,8 @@ STANDINS: dict[str, Callable[..., None]] = {
     "fill_accept_out_cache_loc": kernels.fill_accept_out_cache_loc_cpu,
     "verify_tree_greedy": kernels.verify_tree_greedy_cpu,
     "build_tree_kernel_efficient": kernels.build_tree_kernel_efficient_cpu,
+    "decode_attention": kernels.decode_attention_cpu,
+    "extend_attention": kernels.extend_attention_cpu,
 }
 
 
@@ -267,7 +376,9 @@ def test_matches_triton_twin(case: dict[str, Any], triton_results: dict[str, dic
     expected = triton_results[case["name"]]
     for name, written in expected.items():
         assert args[name].dtype == case["args"][name].dtype, f"{name} changed dtype"
-        torch.testing.assert_close(args[name], decode(written), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        tolerance = 1e-5 if args[name].is_floating_point() else 0  # attention outputs: fp32 rounding only
+        torch.testing.assert_close(args[name], decode(written), rtol=tolerance, atol=tolerance,
+                                   msg=lambda m: f"{name}: {m}")
 
 
 def test_the_cases_are_not_vacuous() -> None:
@@ -365,113 +476,46 @@ def _causal_mask(query_positions: list[int], num_keys: int, sliding_window: int)
     return visible & (keys > queries - sliding_window) if sliding_window > 0 else visible
 
 
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, V_HEAD_DIM = 4, 2, 8, 6
-
-
-def _kv_pool(gen: torch.Generator, num_slots: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.randn(num_slots, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype),
-            torch.randn(num_slots, NUM_KV_HEADS, V_HEAD_DIM, generator=gen).to(dtype))
-
-
-@pytest.mark.parametrize("name,seq_lens,logit_cap,sliding_window,write_kv,dtype", [
-    ("gqa", [5, 9, 1], 0.0, 0, True, torch.float32),
-    ("bs1-len1", [1], 0.0, 0, True, torch.float32),
-    ("logit-cap", [7, 3], 2.0, 0, True, torch.float32),
-    ("window", [9, 2, 6], 0.0, 4, True, torch.float32),
-    ("cache-only", [6, 4], 0.0, 0, False, torch.float32),
-    ("bf16", [8, 5], 0.0, 0, True, torch.bfloat16),
-])
+@pytest.mark.parametrize("name,seq_lens,logit_cap,sliding_window,write_kv,dtype", DECODE_CASES)
 def test_decode_attention(name: str, seq_lens: list[int], logit_cap: float, sliding_window: int, write_kv: bool,
                           dtype: torch.dtype) -> None:
-    gen = torch.Generator().manual_seed(3)
-    batch_size, pool_len, num_rows, num_slots = len(seq_lens), 12, 6, 80
-    k_cache, v_cache = _kv_pool(gen, num_slots, dtype)
-    req_to_token = _pool(gen, num_rows, pool_len, num_slots)
-    req_pool_indices = _rows(gen, num_rows, batch_size, torch.int64)
-    lens = torch.tensor(seq_lens, dtype=torch.int64)
-    loc = torch.stack([req_to_token[r, n - 1] for r, n in zip(req_pool_indices.tolist(), seq_lens)]).long()
-    query = torch.randn(batch_size, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(dtype)  # (B, Hq, D)
-    key = torch.randn(batch_size, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype) if write_kv else None
-    value = torch.randn(batch_size, NUM_KV_HEADS, V_HEAD_DIM, generator=gen).to(dtype) if write_kv else None
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    args = _decode_args(torch.Generator().manual_seed(3), seq_lens, logit_cap, sliding_window, write_kv, dtype)
+    expected_k, expected_v = args["k_cache"].clone(), args["v_cache"].clone()
     if write_kv:  # the kernel stores the new token's K/V at loc first
-        expected_k[loc], expected_v[loc] = key, value
-    sm_scale = HEAD_DIM ** -0.5
+        expected_k[args["loc"]], expected_v[args["loc"]] = args["key"], args["value"]
     expected = torch.stack([
-        _reference_attention(query[b:b + 1], expected_k[slots], expected_v[slots],
-                             _causal_mask([n - 1], n, sliding_window), sm_scale, logit_cap)[0]
-        for b, (r, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens))
-        for slots in [req_to_token[r, :n].long()]])  # (B, Hq, Dv)
-    output = torch.full((batch_size, NUM_Q_HEADS, V_HEAD_DIM), float(PAD), dtype=dtype)
-    attn_logits = torch.zeros(batch_size, NUM_Q_HEADS, 8, V_HEAD_DIM + 1)
-    kernels.decode_attention_cpu(query, k_cache, v_cache, 1.0, 1.0, output, key, value, loc, attn_logits,
-                                 req_to_token, req_pool_indices, lens, sm_scale, logit_cap, False, sliding_window,
-                                 None, None)
-    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+        _reference_attention(args["query"][b:b + 1], expected_k[slots], expected_v[slots],
+                             _causal_mask([n - 1], n, sliding_window), args["sm_scale"], logit_cap)[0]
+        for b, (r, n) in enumerate(zip(args["req_pool_indices"].tolist(), seq_lens))
+        for slots in [args["req_to_token"][r, :n].long()]])  # (B, Hq, Dv)
+    kernels.decode_attention_cpu(*args.values())
+    assert torch.equal(args["k_cache"], expected_k) and torch.equal(args["v_cache"], expected_v)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(output.float(), expected.to(dtype).float(), rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(args["output"].float(), expected.to(dtype).float(), rtol=tolerance, atol=tolerance)
 
 
-def _tree_visibility(gen: torch.Generator, extend_len: int) -> torch.Tensor:
-    """(n, n) a QLEN_ONLY tree mask of a random tree: token i sees itself and its ancestors."""
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, extend_len)]
-    visible = torch.eye(extend_len, dtype=torch.bool)
-    for token in range(extend_len):
-        ancestor = parents[token]
-        while ancestor != -1:
-            visible[token, ancestor] = True
-            ancestor = parents[ancestor]
-    return visible
-
-
-@pytest.mark.parametrize("name,prefix_lens,extend_lens,masking,logit_cap,sliding_window,pass_new_kv", [
-    ("causal-gqa", [3, 0, 6], [4, 2, 1], "causal", 0.0, 0, True),
-    ("bs1-len1", [0], [1], "causal", 0.0, 0, True),
-    ("non-causal", [2, 5], [3, 2], "full", 0.0, 0, True),
-    ("tree-mask", [4, 7, 1], [5, 5, 5], "tree", 0.0, 0, True),
-    ("logit-cap", [5, 2], [3, 4], "causal", 3.0, 0, True),
-    ("window", [6, 1], [4, 3], "causal", 0.0, 3, True),
-    ("new-kv-from-cache", [3, 4], [2, 3], "causal", 0.0, 0, False),
-    ("extend-len0", [4, 2], [0, 3], "causal", 0.0, 0, True),
-])
+@pytest.mark.parametrize("name,prefix_lens,extend_lens,masking,logit_cap,sliding_window,pass_new_kv", EXTEND_CASES)
 def test_extend_attention(name: str, prefix_lens: list[int], extend_lens: list[int], masking: str, logit_cap: float,
                           sliding_window: int, pass_new_kv: bool) -> None:
-    gen = torch.Generator().manual_seed(4)
-    batch_size, pool_len, num_rows, num_slots = len(prefix_lens), 12, 6, 80
-    k_buffer, v_buffer = _kv_pool(gen, num_slots, torch.float32)
-    req_to_token = _pool(gen, num_rows, pool_len, num_slots)
-    req_pool_indices = _rows(gen, num_rows, batch_size, torch.int64)
-    seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
-    num_tokens = sum(extend_lens)
-    starts = [sum(extend_lens[:b]) for b in range(batch_size)]
-    q_extend = torch.randn(num_tokens, NUM_Q_HEADS, HEAD_DIM, generator=gen)  # (N, Hq, D)
-    k_extend = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen)  # (N, Hkv, D)
-    v_extend = torch.randn(num_tokens, NUM_KV_HEADS, V_HEAD_DIM, generator=gen)  # (N, Hkv, Dv)
-    for b, r in enumerate(req_pool_indices.tolist()):  # the backend stores the new K/V before the kernel runs
-        new_slots = req_to_token[r, prefix_lens[b]:seq_lens[b]].long()
-        k_buffer[new_slots] = k_extend[starts[b]:starts[b] + extend_lens[b]]
-        v_buffer[new_slots] = v_extend[starts[b]:starts[b] + extend_lens[b]]
-    tree_blocks = [_tree_visibility(gen, n) for n in extend_lens] if masking == "tree" else None
-    sm_scale = 0.3
-    expected = torch.full((num_tokens, NUM_Q_HEADS, V_HEAD_DIM), float(PAD))
-    for b, r in enumerate(req_pool_indices.tolist()):
-        prefix_len, extend_len, start = prefix_lens[b], extend_lens[b], starts[b]
-        visible = _causal_mask(list(range(prefix_len, seq_lens[b])), seq_lens[b], sliding_window)
+    args = _extend_args(torch.Generator().manual_seed(4), prefix_lens, extend_lens, masking, logit_cap,
+                        sliding_window, pass_new_kv)
+    expected = torch.full_like(args["o_extend"], float(PAD))
+    tree_offset = 0
+    for b, r in enumerate(args["req_pool_indices"].tolist()):
+        prefix_len, extend_len = prefix_lens[b], extend_lens[b]
+        seq_len, start = prefix_len + extend_len, int(args["extend_start_loc"][b])
+        visible = _causal_mask(list(range(prefix_len, seq_len)), seq_len, sliding_window)  # (Q, K)
         if masking == "full":
             visible[:, prefix_len:] = True
         elif masking == "tree":
-            visible[:, prefix_len:] = tree_blocks[b]
-        slots = req_to_token[r, :seq_lens[b]].long()
+            visible[:, prefix_len:] = args["tree_mask"][tree_offset:tree_offset + extend_len ** 2].view(extend_len, -1)
+            tree_offset += extend_len ** 2
+        slots = args["req_to_token"][r, :seq_len].long()
         expected[start:start + extend_len] = _reference_attention(
-            q_extend[start:start + extend_len], k_buffer[slots], v_buffer[slots], visible, sm_scale, logit_cap)
-    tree_mask = torch.cat([block.flatten() for block in tree_blocks]) if tree_blocks else None
-    o_extend = torch.full_like(expected, float(PAD))
-    kernels.extend_attention_cpu(
-        q_extend, k_extend if pass_new_kv else None, v_extend if pass_new_kv else None, o_extend, k_buffer,
-        v_buffer, 1.0, 1.0, req_to_token, req_pool_indices, torch.tensor(seq_lens), torch.tensor(extend_lens).int(),
-        torch.tensor(starts).int(), max(extend_lens), sm_scale, logit_cap, False, sliding_window, None, None,
-        tree_mask, masking != "full")
-    torch.testing.assert_close(o_extend, expected, rtol=1e-5, atol=1e-5)
+            args["q_extend"][start:start + extend_len], args["k_buffer"][slots], args["v_buffer"][slots], visible,
+            args["sm_scale"], logit_cap)
+    kernels.extend_attention_cpu(*args.values())
+    torch.testing.assert_close(args["o_extend"], expected, rtol=1e-5, atol=1e-5)
 
 
 # --- the stand-in sgl_kernel package: torch.ops registration and what stays unimplemented

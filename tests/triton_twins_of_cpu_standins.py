@@ -7,7 +7,9 @@ start. The script reads a JSON list of cases on stdin, runs each case's twin on 
 
 What must hold:
 - each case runs the twin SGLang 0.5.23 launches next to the CPU call site, with the grid and extra
-  arguments that call site gives it (`TWINS` below names each);
+  arguments that call site gives it (`_twins` below names each); the attention twins get the stand-in's
+  arguments turned into what the Triton attention backend passes (KV index lists, FULL_MASK tree rows,
+  the new token's K/V stored first);
 - a grid of zero programs launches nothing, as on a GPU (the interpreter would reject an empty grid);
 - importing this module (for the tensor codec) imports neither triton nor sglang.
 """
@@ -43,8 +45,20 @@ def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 1
 
 
+def _kv_index_lists(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, starts: torch.Tensor,
+                    ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indptr (B+1,), indices): the KV slots req_to_token[r, start:end] per request, as the Triton backend
+    lists them."""
+    slots = [req_to_token[r, s:e] for r, s, e in zip(req_pool_indices.tolist(), starts.tolist(), ends.tolist())]
+    lengths = torch.tensor([len(row) for row in slots], dtype=torch.int64)
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+    return indptr, torch.cat(slots).long() if slots else torch.empty(0, dtype=torch.int64)
+
+
 def _twins() -> dict[str, tuple[Callable[..., None], tuple[str, ...]]]:
     """op name -> (twin run on keyword arguments, names of the arguments it writes)."""
+    from sglang.kernels.ops.attention import decode_attention as triton_decode
+    from sglang.kernels.ops.attention import extend_attention as triton_extend
     from sglang.kernels.ops.speculative import cache_locs, eagle, spec_tree
     from sglang.srt.mem_cache import allocation
 
@@ -81,7 +95,46 @@ def _twins() -> dict[str, tuple[Callable[..., None], tuple[str, ...]]]:
                                                retrive_index, retrive_next_token, retrive_next_sibling, topk,
                                                depth, draft_token_num, spec_tree.TreeMaskMode(tree_mask_mode))
 
+    def decode_attention(*, query, k_cache, v_cache, k_scale, v_scale, output, key, value, loc, req_to_token,
+                         req_pool_indices, seq_lens, sm_scale, logit_cap, **_):
+        if key is not None:  # the Triton backend stores the new token's K/V before its kernel runs
+            k_cache[loc], v_cache[loc] = key, value
+        kv_indptr, kv_indices = _kv_index_lists(req_to_token, req_pool_indices, torch.zeros_like(seq_lens), seq_lens)
+        batch_size, num_heads, max_kv_splits = query.shape[0], query.shape[1], 8
+        triton_decode.decode_attention_fwd(
+            query, k_cache, v_cache, output, kv_indptr, kv_indices,
+            torch.empty(batch_size, num_heads, max_kv_splits, v_cache.shape[-1]),
+            torch.empty(batch_size, num_heads, max_kv_splits),
+            torch.full((batch_size,), max_kv_splits, dtype=torch.int32), max_kv_splits, sm_scale, k_scale, v_scale,
+            logit_cap=logit_cap)
+
+    def extend_attention(*, q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, k_scale, v_scale,
+                         req_to_token, req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc, max_len_extend,
+                         sm_scale, logit_cap, tree_mask, is_causal, **_):
+        prefix_lens = seq_lens - extend_seq_lens
+        kv_indptr, kv_indices = _kv_index_lists(req_to_token, req_pool_indices, torch.zeros_like(seq_lens),
+                                                prefix_lens)
+        new_indptr, new_slots = _kv_index_lists(req_to_token, req_pool_indices, prefix_lens, seq_lens)
+        if k_extend is None:  # the CPU op reads them from the buffers; the Triton kernel takes them as tensors
+            k_extend, v_extend = k_buffer[new_slots], v_buffer[new_slots]
+        custom_mask = mask_indptr = None
+        if tree_mask is not None:  # QLEN_ONLY blocks -> the FULL_MASK rows the Triton kernel reads
+            rows, offset = [], 0
+            for prefix_len, extend_len in zip(prefix_lens.tolist(), extend_seq_lens.tolist()):
+                block = tree_mask[offset:offset + extend_len * extend_len].view(extend_len, extend_len)
+                rows.append(torch.cat([torch.ones(extend_len, prefix_len, dtype=torch.bool), block], 1).flatten())
+                offset += extend_len * extend_len
+            custom_mask = torch.cat(rows)
+            mask_indptr = torch.cat([torch.zeros(1, dtype=torch.int64),
+                                     torch.cumsum(extend_seq_lens.long() * seq_lens.long(), 0)])
+        triton_extend.extend_attention_fwd(
+            q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, new_indptr, kv_indptr, kv_indices,
+            custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale, sm_scale=sm_scale,
+            logit_cap=logit_cap)
+
     return {
+        "decode_attention": (decode_attention, ("output", "k_cache", "v_cache")),
+        "extend_attention": (extend_attention, ("o_extend",)),
         "assign_req_to_token_pool": (offset_range_launch(allocation.assign_req_to_token_pool), ("req_to_token",)),
         "assign_draft_cache_locs_contiguous": (assign_draft_cache_locs_contiguous, ("out_cache_loc",)),
         "assign_extend_cache_locs": (offset_range_launch(cache_locs.assign_extend_cache_locs), ("out_cache_loc",)),
