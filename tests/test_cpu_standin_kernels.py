@@ -5,8 +5,8 @@ What must hold, per op of `eagle_tap/cpu_standins/_eagle_tap_kernels.py`:
   interpreter in a subprocess, `tests/triton_twins_of_cpu_standins.py`), for batches of 1, several and
   none where the call site allows it, lengths of 0 and 1, slots at the end of a pool row, and the int32
   and int64 index tensors SGLang passes;
-- `copy_all_layer_kv_cache_cpu` (raw addresses, which the interpreter cannot dereference) equals a direct
-  gather-then-scatter per buffer, also when targets and sources overlap;
+- `copy_all_layer_kv_cache_cpu` (raw buffer addresses; the interpreter follows them too, in its own
+  process) copies what `copy_all_layer_kv_cache_tiled` copies, also when targets and sources overlap;
 - the attention ops equal SGLang's Triton decode/extend attention kernels (same subprocess; inputs turned
   into the KV index lists and FULL_MASK rows the Triton backend builds) and per-sequence softmax attention
   (`scaled_dot_product_attention`, or a float64 definition for the tanh logit cap), with GQA, the prefix
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from eagle_tap.sglang_server import CPU_STANDINS_DIR
 
 sys.path.insert(0, str(Path(__file__).parent))
-from triton_twins_of_cpu_standins import decode, encode  # noqa: E402
+from triton_twins_of_cpu_standins import buffer_table, decode, encode  # noqa: E402
 
 TWINS_SCRIPT = Path(__file__).parent / "triton_twins_of_cpu_standins.py"
 PAD = -7  # fills output buffers, so a write the reference does not make shows up
@@ -311,6 +311,17 @@ def _cases() -> list[dict[str, Any]]:
             parent_list=torch.tensor([[-1, 0, 1], [-1, 0, 1]]), selected_index=torch.tensor([[0, 4], [1, 2]]),
             verified_seq_len=seq_lens, **_tree_buffers(2, 3, seq_lens, mode), topk=2, depth=2,
             draft_token_num=3, tree_mask_mode=mode)
+    # KV copies between slots of every buffer (two layers' K/V in bf16, other slot sizes), overlapping ones too
+    for pattern, (tgt, src) in {"disjoint": ([1, 4, 7], [2, 3, 8]), "swap": ([2, 5], [5, 2]),
+                                "chain": ([1, 2, 3], [2, 3, 4]), "last-slot": ([9, 0], [0, 9]),
+                                "empty": ([], [])}.items():
+        for loc_dtype in (torch.int64, torch.int32):
+            add(f"copy_all_layer_kv_cache-{pattern}-{str(loc_dtype).removeprefix('torch.')}", "copy_all_layer_kv_cache",
+                buffer_0=torch.randn(10, 2, 4, generator=gen).to(torch.bfloat16),
+                buffer_1=torch.randn(10, 2, 4, generator=gen).to(torch.bfloat16),
+                buffer_2=torch.randn(10, 3, generator=gen),
+                buffer_3=torch.randint(0, 255, (10, 5), generator=gen).to(torch.uint8),
+                tgt_loc=torch.tensor(tgt, dtype=loc_dtype), src_loc=torch.tensor(src, dtype=loc_dtype))
     # attention: SGLang's Triton attention kernels, where they take the same inputs (no window: the Triton
     # backend windows through its KV index lists, which these ops do not take)
     for name, seq_lens, logit_cap, sliding_window, write_kv, dtype in DECODE_CASES:
@@ -328,8 +339,15 @@ def _cases() -> list[dict[str, Any]]:
     return cases
 
 
+def _copy_all_layer_kv_cache(*, tgt_loc: torch.Tensor, src_loc: torch.Tensor, **buffers: torch.Tensor) -> None:
+    """The stand-in as `copy_all_layer_kv_cache_func` calls it: addresses and slot sizes of every buffer."""
+    kernels.copy_all_layer_kv_cache_cpu(*buffer_table(list(buffers.values())), tgt_loc, src_loc)
+
+
 CASES = _cases()
+KEYWORD_CALLS = {"verify_tree_greedy", "copy_all_layer_kv_cache"}  # called with keywords, the rest positionally
 STANDINS: dict[str, Callable[..., None]] = {
+    "copy_all_layer_kv_cache": _copy_all_layer_kv_cache,
     "assign_req_to_token_pool": kernels.assign_req_to_token_pool_cpu,
     "assign_draft_cache_locs_contiguous": kernels.assign_draft_cache_locs_contiguous_cpu,
     "assign_extend_cache_locs": kernels.assign_extend_cache_locs_cpu,
@@ -352,8 +370,8 @@ def _stand_in_subprocess_env(**extra: str) -> dict[str, str]:
 def _run_stand_in(case: dict[str, Any]) -> dict[str, Any]:
     """The case's arguments (copies) after its stand-in ran on them, called as SGLang's call site calls it."""
     args = {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in case["args"].items()}
-    if case["op"] == "verify_tree_greedy":
-        STANDINS[case["op"]](**args)  # with keywords
+    if case["op"] in KEYWORD_CALLS:
+        STANDINS[case["op"]](**args)
     else:
         STANDINS[case["op"]](*args.values())  # positionally, in the call site's order
     return args
@@ -389,31 +407,6 @@ def test_the_cases_are_not_vacuous() -> None:
         writes = any(not torch.equal(value, args[name]) for name, value in case["args"].items()
                      if isinstance(value, torch.Tensor))
         assert writes == ("empty" not in case["name"] and "len0" not in case["name"]), case["name"]
-
-
-# --- copy_all_layer_kv_cache_cpu: raw buffer addresses, against a direct gather-then-scatter
-
-
-@pytest.mark.parametrize("loc_dtype", [torch.int64, torch.int32])
-@pytest.mark.parametrize("pattern", ["disjoint", "swap", "chain", "last-slot", "empty"])
-def test_copy_all_layer_kv_cache(pattern: str, loc_dtype: torch.dtype) -> None:
-    gen = torch.Generator().manual_seed(1)
-    num_slots = 10
-    buffers = [torch.randn(num_slots, 2, 4, generator=gen).to(torch.bfloat16),  # K and V of two layers
-               torch.randn(num_slots, 2, 4, generator=gen).to(torch.bfloat16),
-               torch.randn(num_slots, 3, generator=gen),
-               torch.randint(0, 255, (num_slots, 5), generator=gen).to(torch.uint8)]
-    tgt, src = {"disjoint": ([1, 4, 7], [2, 3, 8]), "swap": ([2, 5], [5, 2]), "chain": ([1, 2, 3], [2, 3, 4]),
-                "last-slot": ([num_slots - 1, 0], [0, num_slots - 1]), "empty": ([], [])}[pattern]
-    expected = [buffer.clone() for buffer in buffers]
-    for buffer in expected:
-        buffer[torch.tensor(tgt, dtype=torch.int64)] = buffer[torch.tensor(src, dtype=torch.int64)].clone()
-    data_ptrs = torch.tensor([buffer.data_ptr() for buffer in buffers], dtype=torch.int64)
-    strides = torch.tensor([buffer[0].nbytes for buffer in buffers], dtype=torch.int64)  # bytes per slot
-    kernels.copy_all_layer_kv_cache_cpu(data_ptrs, strides, torch.tensor(tgt, dtype=loc_dtype),
-                                        torch.tensor(src, dtype=loc_dtype))
-    for buffer, want in zip(buffers, expected):
-        assert torch.equal(buffer, want)
 
 
 # --- build_draft_decode_metadata_cpu: no twin, its docstring's contract

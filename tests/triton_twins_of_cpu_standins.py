@@ -41,6 +41,13 @@ def decode(encoded: dict[str, Any]) -> torch.Tensor:
     return torch.tensor(encoded["data"], dtype=dtype).reshape(encoded["shape"])
 
 
+def buffer_table(buffers: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data_ptrs, strides): each KV buffer's address and slot size in bytes, as the KV pool hands them to
+    `copy_all_layer_kv_cache_func`."""
+    return (torch.tensor([buffer.data_ptr() for buffer in buffers], dtype=torch.int64),
+            torch.tensor([buffer[0].nbytes for buffer in buffers], dtype=torch.int64))
+
+
 def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 1
 
@@ -59,6 +66,7 @@ def _twins() -> dict[str, tuple[Callable[..., None], tuple[str, ...]]]:
     """op name -> (twin run on keyword arguments, names of the arguments it writes)."""
     from sglang.kernels.ops.attention import decode_attention as triton_decode
     from sglang.kernels.ops.attention import extend_attention as triton_extend
+    from sglang.kernels.ops.kvcache import cache_move
     from sglang.kernels.ops.speculative import cache_locs, eagle, spec_tree
     from sglang.srt.mem_cache import allocation
 
@@ -94,6 +102,14 @@ def _twins() -> dict[str, tuple[Callable[..., None], tuple[str, ...]]]:
         spec_tree.sgl_build_tree_kernel_triton(parent_list, selected_index, verified_seq_len, tree_mask, positions,
                                                retrive_index, retrive_next_token, retrive_next_sibling, topk,
                                                depth, draft_token_num, spec_tree.TreeMaskMode(tree_mask_mode))
+
+    def copy_all_layer_kv_cache(*, tgt_loc, src_loc, **buffers):
+        data_ptrs, strides = buffer_table(list(buffers.values()))
+        bytes_per_tile = 64
+        num_tiles = -(-int(strides.max()) // bytes_per_tile)
+        cache_move.copy_all_layer_kv_cache_tiled[(len(buffers), num_tiles)](
+            data_ptrs, strides, tgt_loc, src_loc, tgt_loc.numel(), _next_power_of_2(tgt_loc.numel()),
+            BYTES_PER_TILE=bytes_per_tile)
 
     def decode_attention(*, query, k_cache, v_cache, k_scale, v_scale, output, key, value, loc, req_to_token,
                          req_pool_indices, seq_lens, sm_scale, logit_cap, **_):
@@ -133,6 +149,7 @@ def _twins() -> dict[str, tuple[Callable[..., None], tuple[str, ...]]]:
             logit_cap=logit_cap)
 
     return {
+        "copy_all_layer_kv_cache": (copy_all_layer_kv_cache, ("buffer_0", "buffer_1", "buffer_2", "buffer_3")),
         "decode_attention": (decode_attention, ("output", "k_cache", "v_cache")),
         "extend_attention": (extend_attention, ("o_extend",)),
         "assign_req_to_token_pool": (offset_range_launch(allocation.assign_req_to_token_pool), ("req_to_token",)),
@@ -153,10 +170,9 @@ def run_cases(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for case in cases:
         twin, written = twins[case["op"]]
         args = {name: decode(value) if isinstance(value, dict) else value for name, value in case["args"].items()}
-        batch_size = args["accept_index"].numel() if case["op"] == "fill_accept_out_cache_loc" else next(
-            args[name].shape[0] for name in ("req_pool_indices", "accept_lens", "candidates", "verified_seq_len")
-            if name in args)
-        if batch_size > 0:  # an empty grid launches nothing
+        grid_size = next(args[name].numel() for name in ("req_pool_indices", "accept_lens", "candidates",
+                                                         "verified_seq_len", "accept_index", "tgt_loc") if name in args)
+        if grid_size > 0:  # an empty grid launches nothing
             twin(**args)
         results[case["name"]] = {name: encode(args[name]) for name in written}
     return results
