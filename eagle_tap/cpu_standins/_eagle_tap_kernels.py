@@ -167,6 +167,12 @@ def verify_tree_greedy_cpu(*, predicts: torch.Tensor, accept_index: torch.Tensor
         predicts[last_accepted] = flat_targets[last_accepted]
 
 
+def _selected_position(selected_row: list[int], draft_index: int, num_draft_tokens: int) -> int | None:
+    """Where the draft token with flat score index `draft_index` sits among the n-1 selected ones, or None."""
+    selection = selected_row[: num_draft_tokens - 1]
+    return selection.index(draft_index) if draft_index in selection else None
+
+
 _FULL_MASK, _QLEN_ONLY = 0, 1  # sglang.srt.speculative.eagle_utils.TreeMaskMode values this op accepts
 
 
@@ -196,16 +202,12 @@ def build_tree_kernel_efficient_cpu(parent_list: torch.Tensor, selected_index: t
         for i in range(n - 1, 0, -1):
             retrive_index[b, i] = offset + i
             parent_tb = selected[b][i - 1] // topk
-            parent_position = 0
+            parent_position = 0  # the root
             if parent_tb > 0:
-                parent_token = parents[b][parent_tb]
-                while parent_position < n:
-                    if selected[b][parent_position] == parent_token:
-                        parent_position += 1
-                        break
-                    parent_position += 1
-            if parent_position == n:
-                continue
+                found = _selected_position(selected[b], parents[b][parent_tb], n)
+                if found is None:
+                    continue  # its parent fell out of the selection: the token stays unlinked, as in the twin
+                parent_position = found + 1
             first_child = int(retrive_next_token[b, parent_position])
             retrive_next_token[b, parent_position] = i
             if first_child != -1:
@@ -220,14 +222,15 @@ def build_tree_kernel_efficient_cpu(parent_list: torch.Tensor, selected_index: t
             if token == 0:
                 continue
             position, current = 0, token - 1
-            while True:
+            for _ in range(depth):  # a path has at most `depth` draft tokens
                 position += 1
                 tree_mask[row + current + 1] = True
                 parent_tb = selected[b][current] // topk
                 if parent_tb == 0:
                     break
-                parent_token = parents[b][parent_tb]
-                current = next((k for k in range(n) if selected[b][k] == parent_token), n)
+                current = _selected_position(selected[b], parents[b][parent_tb], n)
+                if current is None:
+                    break  # the parent fell out of the selection: the path ends here, as in the twin
             positions[offset + token] = position + seq_len
         mask_offset += n * (seq_len + n)
 
