@@ -3,7 +3,7 @@
 What must hold:
 - `submit()` (called on the scheduler's thread) never blocks and never raises: past the in-flight
   byte budget a capture is dropped and counted;
-- what is queued is coalesced into one POST of several frames (up to `batch_max_bytes` of frames,
+- what is queued is coalesced into one POST of several frames (up to `batch_max_bytes` of captures,
   waiting at most `batch_max_age_s` for more), and every frame gets its own verdict (`delivery.py`);
 - frames reach the collector in capture order, except one the collector asked to have re-sent; while
   it is unreachable (connection error, deadline, redirect, 5xx, 507) frames go to the bounded spool,
