@@ -12,11 +12,15 @@ copy (`HostCopier`). On CUDA (`CudaRowCopier`), per forward:
 The scheduler's thread only launches work; the sender thread waits on the event (`HostRows.wait()`)
 before it reads a byte. When the pool has no room the rows are dropped and counted: never a wait.
 
-Why the source rows stay valid (SGLang 0.5.23): the AFTER hook on `forward_batch_generation` runs on
-the scheduler's thread right after the forward was launched, before the next batch is launched. With
-the overlap scheduler the next forward is queued on the same forward stream after this hook returns;
-with CUDA graphs the aux/final outputs are views of static buffers that the next replay overwrites,
-also on that stream. Step 1 is queued on the forward stream inside the hook, so it runs before both.
+Why the source rows stay valid (read in SGLang 0.5.23's source): the AFTER hook on
+`TpModelWorker.forward_batch_generation` runs on the scheduler's thread right after the forward was
+launched and before the next batch is. The overlap scheduler (`Scheduler.run_batch`) calls
+`forward_batch_generation` inside `with self.forward_stream_ctx`, so the hook's current stream is the
+forward stream, where the next forward is queued after the hook returns; without overlap everything
+runs on one stream. With CUDA graphs (decode: `decode_cuda_graph_runner.py`; piecewise graphs for
+extend) the aux/final outputs are views of static buffers (`runner_utils/buffers.py`) that the next
+replay overwrites, on that same stream. Step 1 is queued on the current stream inside the hook, so it
+runs after the forward that wrote the rows and before any replay or forward that could overwrite them.
 
 What must hold:
 - the pool never holds more than `capacity_bytes`; `try_acquire` never blocks on the device;
