@@ -17,9 +17,9 @@ Why the source rows stay valid (read in SGLang 0.5.23's source): the AFTER hook 
 launched and before the next batch is. The overlap scheduler (`Scheduler.run_batch`) calls
 `forward_batch_generation` inside `with self.forward_stream_ctx`, so the hook's current stream is the
 forward stream, where the next forward is queued after the hook returns; without overlap everything
-runs on one stream. With CUDA graphs (decode: `decode_cuda_graph_runner.py`; piecewise graphs for
-extend) the aux/final outputs are views of static buffers (`runner_utils/buffers.py`) that the next
-replay overwrites, on that same stream. Step 1 is queued on the current stream inside the hook, so it
+runs on one stream. With CUDA graphs (`decode_cuda_graph_runner.py`, for extend
+`prefill_cuda_graph_runner.py`) the aux/final outputs are views of static buffers
+(`runner_utils/buffers.py`) that the next replay overwrites, on that same stream. Step 1 is queued on the current stream inside the hook, so it
 runs after the forward that wrote the rows and before any replay or forward that could overwrite them.
 
 What must hold:
