@@ -13,10 +13,14 @@ Stored layouts (all integers little-endian):
 - `zstd:N`: one zstd frame (level N, 1..22) with its content size in the frame header and no zstd
   checksum (frames carry xxh3 checksums). Bare `zstd` means `zstd:1`: on hidden states levels 1-19
   compress within 1% of each other and level 1 is the fastest.
-- `bf16-split`, for 2-byte elements: `[u64 H][H bytes: zstd level-1 frame of the high-byte plane]
+- `bf16-split`, for 2-byte elements: `[u64 H][H bytes: zstd frame of the high-byte plane]
   [N bytes: low-byte plane]`, N = number of elements. The high byte of a bfloat16 holds the sign
   and the top 7 exponent bits, which repeat a lot in hidden states; the low byte (last exponent bit
-  and 7 mantissa bits) is close to random, so compressing it costs time and gains nothing.
+  and 7 mantissa bits) is close to random, so compressing it costs time and gains nothing. The high
+  plane is nearly independent bytes with a skewed histogram: the gain is zstd's entropy coding, not
+  its matches, so it is compressed with a 256-entry match table (`_HIGH_PLANE_PARAMS`), 1.4-3x faster
+  than level 1 at a ratio within 0.5% (tiny model's states) or 1.5% better (residual-like states).
+  Any zstd decoder reads it; the choice of parameters is not part of the format.
 A new codec (for instance a lossy fp8-e4m3 with per-row scales) is a `Codec` subclass plus its
 spec strings in `_build_registry`; frame headers name the codec per tensor, so old frames still read.
 """
@@ -49,6 +53,18 @@ def _zstd_compressor(level: int) -> zstandard.ZstdCompressor:
     if level not in compressors:
         compressors[level] = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
     return compressors[level]
+
+
+_HIGH_PLANE_PARAMS = {"strategy": zstandard.STRATEGY_FAST, "hash_log": 8, "search_log": 1, "min_match": 7}
+
+
+def _high_plane_compressor() -> zstandard.ZstdCompressor:
+    compressor = getattr(_thread_state, "high_plane_compressor", None)
+    if compressor is None:
+        params = zstandard.ZstdCompressionParameters.from_level(
+            1, write_content_size=True, write_checksum=False, **_HIGH_PLANE_PARAMS)
+        compressor = _thread_state.high_plane_compressor = zstandard.ZstdCompressor(compression_params=params)
+    return compressor
 
 
 def _zstd_decompressor() -> zstandard.ZstdDecompressor:
@@ -186,9 +202,10 @@ class Bf16SplitCodec(Codec):
         _check_zstd_content_size(high_plane, num_values, "bf16-split high plane")
 
     def _encode_parts(self, data: np.ndarray) -> list[Buffer]:
-        pairs = data.reshape(-1, 2)  # [N, 2]: little-endian, so column 0 is the low byte
-        compressed_high = _zstd_compressor(1).compress(np.ascontiguousarray(pairs[:, 1]))
-        low_plane = np.ascontiguousarray(pairs[:, 0])
+        values = data.view("<u2").reshape(-1)  # [N]
+        # Shifts and a truncating cast read memory in order: ~5x faster than copying strided byte columns.
+        compressed_high = _high_plane_compressor().compress((values >> 8).astype(np.uint8))
+        low_plane = values.astype(np.uint8)
         return [self._HIGH_PLANE_NBYTES.pack(len(compressed_high)), compressed_high, low_plane]
 
     def _decode(self, stored: memoryview, raw_nbytes: int) -> memoryview:

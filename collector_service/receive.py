@@ -24,7 +24,7 @@ from collector_service.buffers import BufferPool, BuffersExhausted
 from collector_service.errors import ApiError, api_error_from_format_error
 from collector_service.settings import CollectorSettings
 
-__all__ = ["FRAME_CONTENT_TYPE", "ReceivedFrame", "check_free_space", "receive_frame"]
+__all__ = ["FRAME_CONTENT_TYPE", "ReceivedFrame", "check_free_space", "inspect_received", "receive_frame"]
 
 FRAME_CONTENT_TYPE = "application/octet-stream"
 _INSPECT_IN_THREAD_NBYTES = 32 << 20
@@ -156,7 +156,7 @@ async def _receive(
                 400, "length_mismatch",
                 f"the body ended after {received} bytes; the frame prefix declares {frame_nbytes}",
             )
-        info = await _inspect(view)
+        info = await inspect_received(view)
     except BaseException:
         pool.release(buffer)
         raise
@@ -170,7 +170,8 @@ def _runs_past(frame_nbytes: int) -> ApiError:
     )
 
 
-async def _inspect(view: memoryview) -> FrameInfo:
+async def inspect_received(view: memoryview) -> FrameInfo:
+    """inspect_frame, off the event loop for large frames; ApiError names what is wrong."""
     try:
         if view.nbytes > _INSPECT_IN_THREAD_NBYTES:
             return await asyncio.to_thread(inspect_frame, view)

@@ -34,7 +34,10 @@ RUN cd /opt/eagle-tap \
 assert [e.value for e in entry_points(group='sglang.srt.plugins') if e.name == 'eagle_tap'] == ['sglang_patch.plugin:register']" \
  && python3 -c "import sglang, sglang_patch; v = sglang.__version__; \
 assert v in sglang_patch.SUPPORTED_SGLANG_VERSIONS, f'SGLang {v} in this image; the plugin supports {sglang_patch.SUPPORTED_SGLANG_VERSIONS}'" \
- && rm -rf /opt/eagle-tap/src
+ && rm -rf /opt/eagle-tap/src \
+ && install -d -m 0700 /var/lib/eagle-tap/spool
+# The plugin refuses a spool directory others can read or write; a named volume mounted there starts
+# with this directory's owner and mode.
 
 ENTRYPOINT ["python3", "-m", "sglang.launch_server"]
 CMD ["--help"]

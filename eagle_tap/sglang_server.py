@@ -180,6 +180,11 @@ class SGLangServer:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
+    @property
+    def pid(self) -> int | None:
+        """The launcher's process id (its scheduler and detokenizer are its children); None when stopped."""
+        return self._process.pid if self._process is not None else None
+
     def start(self) -> None:
         """Start the server and wait until it serves; a draft that does not fit the model is refused first."""
         if self.config.speculative is not None:

@@ -10,8 +10,10 @@ What must hold:
 - a record holds exactly the rows of its own request, for every token of the sequence, in order;
   anything else (a first chunk with a cached prefix, a gap between chunks, a chunk that never comes)
   drops the capture with a counted reason and never emits it;
-- the only work done here is copying the request's rows off the device; compression and I/O happen
-  in the sender thread;
+- the only work done here is copying the captured rows off the device, once per forward for all
+  captured requests (`device_copy.py`: never waits for the device on CUDA); compression and I/O
+  happen in the sender thread;
+- every host buffer a dropped capture holds is released (a leaked pinned slab would starve capture);
 - untagged requests cost one dict lookup each.
 """
 
@@ -25,30 +27,46 @@ from collections.abc import Callable
 import torch
 
 from capture_format.tag import CaptureTag
+from sglang_patch.device_copy import HostCopier, HostRows, RowCopier
 from sglang_patch.stats import CaptureStats
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class CapturedSequence:
-    """A complete capture, copied to host memory, waiting for the sender."""
+    """A complete capture in host memory (its last copies may still be landing), waiting for the sender."""
 
     tag: CaptureTag
     token_ids: list[int]
-    aux: torch.Tensor  # (T, K*H) on CPU
-    final: torch.Tensor  # (T, H) on CPU
+    chunks: list[HostRows]
 
     @property
     def raw_nbytes(self) -> int:
-        return self.aux.nbytes + self.final.nbytes + 4 * len(self.token_ids)
+        return sum(chunk.nbytes for chunk in self.chunks) + 4 * len(self.token_ids)
+
+    def states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux (T, K*H), final (T, H)) on CPU, once every chunk's copy has landed. Views of the host
+        buffers while there is one chunk: read them before `release()`."""
+        for chunk in self.chunks:
+            chunk.wait()
+        if len(self.chunks) == 1:
+            return self.chunks[0].aux, self.chunks[0].final
+        return torch.cat([chunk.aux for chunk in self.chunks]), torch.cat([chunk.final for chunk in self.chunks])
+
+    def release(self) -> None:
+        for chunk in self.chunks:
+            chunk.release()
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class _Partial:
     tag: CaptureTag
-    aux_chunks: list[torch.Tensor]
-    final_chunks: list[torch.Tensor]
+    chunks: list[HostRows]
     num_rows: int
     updated_at: float
+
+    def release(self) -> None:
+        for chunk in self.chunks:
+            chunk.release()
 
 
 def is_sampled(record_id: str, sample_rate: float) -> bool:
@@ -62,8 +80,9 @@ class CaptureAssembler:
     """Turns the rows of EXTEND batches into complete `CapturedSequence`s, handed to `emit`."""
 
     def __init__(self, *, stats: CaptureStats, emit: Callable[[CapturedSequence], None],
-                 sample_rate: float = 1.0, partial_ttl_s: float = 600.0) -> None:
+                 sample_rate: float = 1.0, partial_ttl_s: float = 600.0, copier: RowCopier | None = None) -> None:
         self._stats = stats
+        self._copier = copier or HostCopier()
         self._emit = emit
         self._sample_rate = sample_rate
         self._partial_ttl_s = partial_ttl_s
@@ -81,6 +100,8 @@ class CaptureAssembler:
         """Take the rows of one EXTEND batch. aux: (rows, K*H), final: (rows, H), device tensors."""
         now = time.monotonic()
         offset = 0
+        taken: list[tuple[object, _Partial]] = []  # (req, partial) of each captured request, in batch order
+        ranges: list[tuple[int, int]] = []  # its rows in aux and final
         for req, prefix_len, extend_len in zip(reqs, prefix_lens, extend_lens):
             start, offset = offset, offset + extend_len
             tag = self._tag_of(req, first_chunk=prefix_len == 0)
@@ -91,9 +112,9 @@ class CaptureAssembler:
             if prefix_len == 0:
                 if partial is not None:
                     self._stats.add("restarted")  # retracted and prefilled again from scratch
+                    partial.release()
                 self._abandoned.pop(rid, None)
-                partial = self._partials[rid] = _Partial(tag=tag, aux_chunks=[], final_chunks=[], num_rows=0,
-                                                         updated_at=now)
+                partial = self._partials[rid] = _Partial(tag=tag, chunks=[], num_rows=0, updated_at=now)
                 self._stats.add("started")
             elif partial is None:
                 if rid not in self._abandoned:
@@ -102,16 +123,28 @@ class CaptureAssembler:
             elif partial.num_rows != prefix_len:
                 self._abandon(rid, "gap", now)
                 continue
-            # The only forward-path work: copy this request's rows off the device (or out of static buffers).
-            partial.aux_chunks.append(aux[start:offset].to("cpu", copy=True))  # (n, K*H)
-            partial.final_chunks.append(final[start:offset].to("cpu", copy=True))  # (n, H)
-            partial.num_rows += extend_len
-            partial.updated_at = now
-            if partial.num_rows == len(req.full_untruncated_fill_ids):
-                del self._partials[rid]
-                self._finish(req, partial)
+            taken.append((req, partial))
+            ranges.append((start, offset))
+        if taken:
+            self._copy(taken, ranges, aux, final, now)
         if now - self._last_sweep > 1.0:
             self._sweep(now)
+
+    def _copy(self, taken: list[tuple[object, _Partial]], ranges: list[tuple[int, int]],
+              aux: torch.Tensor, final: torch.Tensor, now: float) -> None:
+        # The only forward-path work: one copy of every captured request's rows off the device.
+        copied = self._copier.copy(aux, final, ranges)
+        if copied is None:  # no host buffer free: drop these captures rather than wait
+            for req, _ in taken:
+                self._abandon(req.rid, "host_buffers_full", now)
+            return
+        for (req, partial), rows in zip(taken, copied):
+            partial.chunks.append(rows)
+            partial.num_rows += rows.aux.shape[0]
+            partial.updated_at = now
+            if partial.num_rows == len(req.full_untruncated_fill_ids):
+                del self._partials[req.rid]
+                self._finish(req, partial)
 
     def _tag_of(self, req, *, first_chunk: bool) -> CaptureTag | None:
         partial = self._partials.get(req.rid)
@@ -136,16 +169,17 @@ class CaptureAssembler:
         token_ids = list(req.full_untruncated_fill_ids)
         spans = partial.tag.loss_spans
         if spans and spans[-1][1] > len(token_ids):
+            partial.release()
             self._stats.drop("spans_out_of_range")
             return
-        aux = partial.aux_chunks[0] if len(partial.aux_chunks) == 1 else torch.cat(partial.aux_chunks)
-        final = partial.final_chunks[0] if len(partial.final_chunks) == 1 else torch.cat(partial.final_chunks)
         self._stats.add("captured")
         self._stats.add("captured_tokens", len(token_ids))
-        self._emit(CapturedSequence(tag=partial.tag, token_ids=token_ids, aux=aux, final=final))
+        self._emit(CapturedSequence(tag=partial.tag, token_ids=token_ids, chunks=partial.chunks))
 
     def _abandon(self, rid: str, reason: str, now: float) -> None:
-        self._partials.pop(rid, None)
+        partial = self._partials.pop(rid, None)
+        if partial is not None:
+            partial.release()
         self._abandoned[rid] = now
         self._stats.drop(reason)
 

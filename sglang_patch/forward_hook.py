@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import atexit
 import logging
+import time
 from typing import Any
+
+import torch
 
 from capture_format import capture_layers_from_sglang_ids
 from sglang_patch.capture import CaptureAssembler
+from sglang_patch.device_copy import CudaRowCopier, HostCopier, RowCopier
 from sglang_patch.plugin import model_identity_fields
 from sglang_patch.sender import ModelIdentity, Sender
 from sglang_patch.settings import CaptureSettings
-from sglang_patch.spool import Spool
+from sglang_patch.spool import Spool, SpoolDirectoryError, check_private_directory
 from sglang_patch.stats import CaptureStats
 
 logger = logging.getLogger("eagle_tap.plugin")
@@ -51,7 +55,11 @@ class CaptureHook:
             return None
         try:
             if self._assembler is None:
-                self._start(worker)
+                try:
+                    self._start(worker)
+                except Exception as error:  # once, not on every forward
+                    logger.exception("eagle-tap capture failed to start")
+                    self._disable(f"start-up failed: {type(error).__name__}: {error}")
                 if self._disabled:
                     return None
             if batch is None or batch.forward_mode.name not in _CAPTURED_MODES:
@@ -62,7 +70,11 @@ class CaptureHook:
             if aux is None or final is None:
                 self.stats.add("batches_without_states")
                 return None
+            started_ns, started_cpu_ns = time.perf_counter_ns(), time.thread_time_ns()
             self._assembler.on_extend(batch.reqs, batch.prefix_lens, batch.extend_lens, aux, final)
+            # What the scheduler's thread spends on capture per forward (hook + device copy).
+            self.stats.add("hook_ns", time.perf_counter_ns() - started_ns)
+            self.stats.add("hook_cpu_ns", time.thread_time_ns() - started_cpu_ns)  # not counting preemption
         except Exception:
             self.stats.add("hook_errors")
             if not self._error_logged:
@@ -73,8 +85,19 @@ class CaptureHook:
     def _disable(self, why: str) -> None:
         self._disabled = True
         self.stats.status = f"dormant: {why}"
-        self.stats.write(self._settings.stats_path or self._settings.spool_dir / "stats.json")
+        try:
+            if self._settings.stats_path is None:
+                check_private_directory(self._settings.spool_dir)  # never write into a directory others control
+            self.stats.write(self._settings.stats_path or self._settings.spool_dir / "stats.json")
+        except (SpoolDirectoryError, OSError):
+            pass  # nowhere safe to write the status: the log line below says why
         logger.error("eagle-tap capture disabled in this process: %s", why)
+
+    def _row_copier(self, worker: Any) -> RowCopier:
+        device = torch.device(getattr(worker, "device", None) or "cpu")  # ModelRunner.device, e.g. "cuda"
+        if device.type != "cuda":
+            return HostCopier()
+        return CudaRowCopier(torch.device("cuda", torch.cuda.current_device()), self._settings.host_buffer_bytes)
 
     def _start(self, worker: Any) -> None:
         from sglang.srt.runtime_context import get_exec
@@ -93,12 +116,19 @@ class CaptureHook:
         model = ModelIdentity(capture_layers=tuple(capture_layers), hidden_size=int(hf_config.hidden_size),
                               model_fingerprint=model_identity_fields(worker.model_config.model_path))
         dp_rank = _parallel_rank("attn_dp_rank")
-        spool = Spool(self._settings.spool_dir / f"dp{dp_rank}", self._settings.spool_max_bytes)
+        copier = self._row_copier(worker)
+        try:
+            check_private_directory(self._settings.spool_dir)
+            spool = Spool(self._settings.spool_dir / f"dp{dp_rank}", self._settings.spool_max_bytes)
+        except (SpoolDirectoryError, OSError) as error:
+            self._disable(str(error))
+            return
         self.sender = Sender(settings=self._settings, model=model, stats=self.stats, spool=spool,
                              stats_path=self._settings.stats_path or spool.directory / "stats.json")
         self._assembler = CaptureAssembler(stats=self.stats, emit=self.sender.submit,
                                            sample_rate=self._settings.sample_rate,
-                                           partial_ttl_s=self._settings.partial_ttl_s)
+                                           partial_ttl_s=self._settings.partial_ttl_s,
+                                           copier=copier)
         self.stats.status = "capturing"
         atexit.register(self.sender.close)
         logger.info("eagle-tap capturing layers %s (hidden %d, %s) to %s", capture_layers, model.hidden_size,

@@ -3,11 +3,15 @@
 What must hold:
 - `submit()` (called on the scheduler's thread) never blocks and never raises: past the in-flight
   byte budget a capture is dropped and counted;
-- frames reach the collector in capture order; while it is unreachable (connection error, timeout,
-  5xx, 507) frames go to the bounded spool, which is drained oldest first once it answers again, and
-  anything behind a non-empty spool queues behind it;
+- what is queued is coalesced into one POST of several frames (up to `batch_max_bytes` of captures,
+  waiting at most `batch_max_age_s` for more), and every frame gets its own verdict (`delivery.py`);
+- frames reach the collector in capture order, except one the collector asked to have re-sent; while
+  it is unreachable (connection error, deadline, redirect, 5xx, 507) frames go to the bounded spool,
+  which is drained oldest first once it answers again, and anything behind a non-empty spool queues
+  behind it;
 - a frame the collector rejects as bad (4xx) is dropped and counted, not retried forever;
-- re-sending is safe: the collector acknowledges a record id it already has as a duplicate.
+- re-sending is safe: the collector acknowledges a record id it already has as a duplicate;
+- a capture's host buffers are released once its frame is encoded (or it is dropped).
 """
 
 from __future__ import annotations
@@ -19,12 +23,12 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import torch
 
 from capture_format import CaptureRecord, encode_frame
 from sglang_patch.capture import CapturedSequence
+from sglang_patch.delivery import CollectorClient, Verdict
 from sglang_patch.settings import CaptureSettings
 from sglang_patch.spool import Spool
 from sglang_patch.stats import CaptureStats
@@ -37,7 +41,6 @@ _STATE_DTYPES = {
     torch.float16: ("float16", torch.float16, np.float16),
     torch.float32: ("float32", torch.float32, np.float32),
 }
-_RETRY_STATUS = {408, 429, 507}
 _MAX_BACKOFF_S = 10.0
 _LOG_EVERY_S = 60.0
 
@@ -52,10 +55,12 @@ class ModelIdentity:
 
 
 def to_record(captured: CapturedSequence, model: ModelIdentity) -> CaptureRecord:
-    dtype_name, view_dtype, numpy_dtype = _STATE_DTYPES[captured.aux.dtype]
+    """The record of a capture; its arrays are views of the capture's host buffers (encode before release)."""
+    aux_rows, final_rows = captured.states()  # (T, K*H), (T, H)
+    dtype_name, view_dtype, numpy_dtype = _STATE_DTYPES[aux_rows.dtype]
     num_tokens, num_layers = len(captured.token_ids), len(model.capture_layers)
-    aux = captured.aux.view(view_dtype).numpy().view(numpy_dtype)
-    final = captured.final.view(view_dtype).numpy().view(numpy_dtype)
+    aux = aux_rows.view(view_dtype).numpy().view(numpy_dtype)
+    final = final_rows.view(view_dtype).numpy().view(numpy_dtype)
     return CaptureRecord(
         record_id=captured.tag.record_id,
         sample_id=captured.tag.sample_id,
@@ -81,12 +86,9 @@ class Sender:
         self._stats = stats
         self._spool = spool
         self.stats_path = stats_path
-        headers = {"Content-Type": "application/octet-stream"}
-        if settings.token is not None:
-            headers["Authorization"] = f"Bearer {settings.token.get_secret_value()}"
-        self._client = httpx.Client(timeout=settings.send_timeout_s, headers=headers)
-        self._records_url = f"{settings.collector_url}/v1/records"
-        self._queue: collections.deque[CapturedSequence] = collections.deque()
+        token = settings.token.get_secret_value() if settings.token is not None else None
+        self._client = CollectorClient(settings.collector_url, token=token, deadline_s=settings.send_timeout_s)
+        self._queue: collections.deque[tuple[float, CapturedSequence]] = collections.deque()  # (queued at, capture)
         self._inflight_bytes = 0
         self._condition = threading.Condition()
         self._stopping = False
@@ -102,10 +104,11 @@ class Sender:
         size = captured.raw_nbytes
         with self._condition:
             if self._inflight_bytes + size > self._settings.inflight_max_bytes:
+                captured.release()
                 self._stats.drop("inflight_budget")
                 return
             self._inflight_bytes += size
-            self._queue.append(captured)
+            self._queue.append((time.monotonic(), captured))
             self._condition.notify()
 
     def idle(self) -> bool:
@@ -124,15 +127,17 @@ class Sender:
         logger.info(self._stats.summary())
 
     def _run(self) -> None:
+        cpu_ns = time.thread_time_ns()
         while True:
-            with self._condition:
-                if not self._queue and not self._stopping:
-                    self._condition.wait(timeout=0.5)
-                captured = self._queue.popleft() if self._queue else None
-                stopping = self._stopping
+            now_cpu_ns = time.thread_time_ns()  # the sender's own CPU: encoding, HTTP, spool
+            self._stats.add("sender_cpu_ns", now_cpu_ns - cpu_ns)
+            cpu_ns = now_cpu_ns
+            batch, stopping = self._next_batch()
             try:
-                if captured is not None:
-                    self._ship(captured, spool_only=stopping)
+                if batch:
+                    if not stopping:
+                        self._drain_spool()  # under steady load the queue is never empty: drain first
+                    self._ship(batch, spool_only=stopping)
                 elif stopping:
                     return
                 else:
@@ -142,21 +147,52 @@ class Sender:
                 self._stats.add("sender_errors")
                 logger.exception("eagle-tap sender error")
 
-    def _ship(self, captured: CapturedSequence, *, spool_only: bool) -> None:
+    def _next_batch(self) -> tuple[list[CapturedSequence], bool]:
+        """What is queued, up to batch_max_bytes; waits up to batch_max_age_s (from the oldest) for more."""
+        max_bytes, max_age_s = self._settings.batch_max_bytes, self._settings.batch_max_age_s
+        with self._condition:
+            if not self._queue and not self._stopping:
+                self._condition.wait(timeout=0.5)
+            while self._queue and not self._stopping and self._inflight_bytes < max_bytes:
+                wait_s = self._queue[0][0] + max_age_s - time.monotonic()
+                if wait_s <= 0:
+                    break
+                self._condition.wait(timeout=wait_s)  # more may come: fewer, larger POSTs
+            batch, batch_bytes = [], 0
+            while self._queue and (not batch or batch_bytes + self._queue[0][1].raw_nbytes <= max_bytes):
+                captured = self._queue.popleft()[1]
+                batch.append(captured)
+                batch_bytes += captured.raw_nbytes
+            return batch, self._stopping
+
+    def _encode(self, captured: CapturedSequence) -> bytes | None:
         try:
-            frame = encode_frame(to_record(captured, self._model), self._settings.codec)
+            return encode_frame(to_record(captured, self._model), self._settings.codec)
         except ValueError as error:
             self._stats.drop("invalid_record")
             logger.error("eagle-tap: capture %s is not a valid record: %s", captured.tag.record_id, error)
-            return
+            return None
         finally:
+            captured.release()
             with self._condition:
                 self._inflight_bytes -= captured.raw_nbytes
-        self._stats.add("bytes_raw", captured.raw_nbytes)
-        self._stats.add("bytes_stored", len(frame))
+
+    def _ship(self, batch: list[CapturedSequence], *, spool_only: bool) -> None:
+        frames = []
+        for captured in batch:
+            frame = self._encode(captured)
+            if frame is not None:
+                self._stats.add("bytes_raw", captured.raw_nbytes)
+                self._stats.add("bytes_stored", len(frame))
+                frames.append(frame)
         # Order: nothing overtakes what already waits in the spool.
-        if spool_only or len(self._spool) or time.monotonic() < self._retry_at or not self._post(frame):
-            self._to_spool(frame)
+        if spool_only or len(self._spool) or time.monotonic() < self._retry_at:
+            for frame in frames:
+                self._to_spool(frame)
+            return
+        for frame, verdict in zip(frames, self._deliver(frames)):
+            if verdict.outcome == "retry":
+                self._to_spool(frame)
 
     def _to_spool(self, frame: bytes) -> None:
         if self._spool.put(frame):
@@ -166,35 +202,38 @@ class Sender:
 
     def _drain_spool(self) -> None:
         while len(self._spool) and time.monotonic() >= self._retry_at:
-            _, frame = self._spool.oldest()
-            if not self._post(frame):
+            entries = self._spool.oldest(self._settings.batch_max_bytes)
+            verdicts = self._deliver([frame for _, frame in entries])
+            for (path, _), verdict in zip(entries, verdicts):
+                if verdict.outcome != "retry":
+                    self._spool.remove(path)
+                    self._stats.add("resent_from_spool")
+            if any(verdict.outcome == "retry" for verdict in verdicts):
                 return
-            self._spool.remove_oldest()
-            self._stats.add("resent_from_spool")
 
-    def _post(self, frame: bytes) -> bool:
-        """True when the collector is done with the frame (stored, duplicate or rejected); False to retry later."""
-        try:
-            response = self._client.post(self._records_url, content=frame)
-        except httpx.HTTPError as error:
-            return self._unreachable(f"{type(error).__name__}: {error}")
-        if response.status_code in _RETRY_STATUS or response.status_code >= 500:
-            return self._unreachable(f"HTTP {response.status_code}: {response.text[:200]}")
-        self._backoff_s = 0.5
-        if response.status_code in (200, 201):
-            self._stats.add("duplicates" if response.status_code == 200 else "sent")
+    def _deliver(self, frames: list[bytes]) -> list[Verdict]:
+        """The collector's verdict on each frame, counted; the first retry verdict starts a backoff."""
+        if not frames:
+            return []
+        verdicts = self._client.deliver(frames)
+        self._stats.add("posts")
+        retry = next((verdict for verdict in verdicts if verdict.outcome == "retry"), None)
+        for verdict in verdicts:
+            if verdict.outcome == "rejected":
+                self._stats.drop("rejected_by_collector")
+                logger.error("eagle-tap: collector rejected a frame: %s", verdict.why[:500])
+            elif verdict.outcome != "retry":
+                self._stats.add({"sent": "sent", "duplicate": "duplicates"}[verdict.outcome])
+        if retry is None:
+            self._backoff_s = 0.5
         else:
-            self._stats.drop("rejected_by_collector")
-            logger.error("eagle-tap: collector rejected a frame: HTTP %s %s", response.status_code, response.text[:500])
-        return True
-
-    def _unreachable(self, why: str) -> bool:
-        self._stats.add("send_failures")
-        if self._backoff_s == 0.5:
-            logger.warning("eagle-tap: collector unreachable (%s); spooling to %s", why, self._spool.directory)
-        self._retry_at = time.monotonic() + self._backoff_s
-        self._backoff_s = min(self._backoff_s * 2, _MAX_BACKOFF_S)
-        return False
+            self._stats.add("send_failures")
+            if self._backoff_s == 0.5:
+                logger.warning("eagle-tap: collector not taking frames (%s); spooling to %s", retry.why[:500],
+                               self._spool.directory)
+            self._retry_at = time.monotonic() + self._backoff_s
+            self._backoff_s = min(self._backoff_s * 2, _MAX_BACKOFF_S)
+        return verdicts
 
     def _write_stats(self) -> None:
         now = time.monotonic()

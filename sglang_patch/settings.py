@@ -32,8 +32,9 @@ class CaptureSettings(BaseSettings):
     """Decoder layers whose input is captured, e.g. `3,31,59`; default `[3, L//2 + 1, L - 2]`."""
     codec: str = "bf16-split"
     """Codec of the aux and final states in each frame: raw, zstd:N or bf16-split."""
-    spool_dir: Path = Path("/tmp/eagle-tap-spool")
-    """Where frames wait while the collector is unreachable; re-sent in order when it is back."""
+    spool_dir: Path = Field(default=Path("~/.local/state/eagle-tap/spool"), validate_default=True)
+    """Where frames wait while the collector is unreachable; re-sent in order when it is back. Must be
+    private to the server's user (0700, checked at start): never a shared directory such as /tmp itself."""
     spool_max_bytes: int = Field(default=8 << 30, ge=0)
     """Bound of the spool; frames that would exceed it are dropped and counted."""
     inflight_max_bytes: int = Field(default=512 << 20, ge=1)
@@ -43,7 +44,13 @@ class CaptureSettings(BaseSettings):
     partial_ttl_s: float = Field(default=600.0, gt=0)
     """A chunked capture whose next chunk has not come within this time is dropped (e.g. an abort)."""
     send_timeout_s: float = Field(default=30.0, gt=0)
-    """Timeout of one POST to the collector."""
+    """Overall deadline of one POST to the collector, answer included, whatever the collector does."""
+    batch_max_bytes: int = Field(default=32 << 20, ge=1)
+    """Raw bytes of captures coalesced into one POST (a single larger capture goes alone)."""
+    batch_max_age_s: float = Field(default=0.05, ge=0)
+    """How long the sender waits for more captures to fill a POST, from the oldest one queued."""
+    host_buffer_bytes: int = Field(default=2 << 30, ge=1)
+    """On CUDA: pinned host memory for device copies in flight; past it captures are dropped and counted."""
     stats_path: Path | None = None
     """JSON file the counters are written to about once a second; default `<spool_dir>/dp<rank>/stats.json`."""
 
@@ -56,6 +63,11 @@ class CaptureSettings(BaseSettings):
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ValueError(f"must be an http(s) URL with a host, like http://127.0.0.1:8700; got {url!r}")
         return url.rstrip("/")
+
+    @field_validator("spool_dir")
+    @classmethod
+    def _expand_home(cls, path: Path) -> Path:
+        return path.expanduser()  # the default is per user (under ~), unlike a shared /tmp
 
     @field_validator("capture_layers", mode="before")
     @classmethod

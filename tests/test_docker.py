@@ -381,6 +381,12 @@ def test_captures_volume_is_written_by_the_collector_and_read_only_for_the_train
     assert any(mount.target == spool_dir and mount.source in config["volumes"] for mount in mounts(services["server"]))
 
 
+def test_the_server_image_makes_the_spool_directory_private() -> None:
+    spool_dir = compose()["services"]["server"]["environment"]["EAGLE_TAP_SPOOL_DIR"]
+    runs = " ".join(instruction.arguments for instruction in dockerfile("server") if instruction.keyword == "RUN")
+    assert f"install -d -m 0700 {spool_dir}" in runs, "a volume there starts 0755 and the plugin would refuse it"
+
+
 def test_server_environment_loads_in_the_plugin_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang_patch.settings import CaptureSettings
 

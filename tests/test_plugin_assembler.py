@@ -50,7 +50,8 @@ def check_record(captured, number: int, length: int):
     expected_aux, expected_final = rows(number, 0, length)
     assert captured.tag.record_id == f"rec-{number}"
     assert captured.token_ids == list(range(100 * number, 100 * number + length))
-    assert torch.equal(captured.aux, expected_aux) and torch.equal(captured.final, expected_final)
+    aux, final = captured.states()
+    assert torch.equal(aux, expected_aux) and torch.equal(final, expected_final)
 
 
 def test_rows_of_a_mixed_batch_go_to_their_own_requests(assembler):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -73,6 +74,19 @@ def test_capture_layers_the_model_does_not_have_leave_a_dormant_plugin_and_a_ser
     assert "eagle-tap capture disabled: LayerConfigError" in log and "out of range for a 8-layer model" in log
     stats = wait_for(lambda: read_stats(spool_dir, rank_dir=""), 10, "the dormant status")
     assert stats["status"].startswith("dormant") and "captured" not in stats
+
+
+def test_a_spool_directory_others_can_write_leaves_capture_off_and_serving_on(start_sglang, tiny_model_dir,
+                                                                               tokenizer, tmp_path):
+    spool_dir = tmp_path / "shared"
+    spool_dir.mkdir()
+    os.chmod(spool_dir, 0o777)  # like a directory under /tmp that another local user made first
+    server = start_sglang(tiny_model_dir, env=capture_env(f"http://127.0.0.1:{free_port()}", spool_dir))
+    ids = prompt_ids(tokenizer, 500, 20)
+    assert len(generate(server, ids, record_id="not-here", max_new_tokens=2)["output_ids"]) == 2
+    log = server.log_path.read_text(errors="replace")
+    assert "eagle-tap capture disabled in this process" in log and "it must be private: chmod 700" in log
+    assert list(spool_dir.iterdir()) == [], "nothing is written into a directory others control"
 
 
 @pytest.mark.parametrize("variable, value, message", [

@@ -39,6 +39,9 @@ COLUMNS = [
     ["ratio", "ratio served", ".3f"],
     ["drain_s", "then until stored (s)", ".3f"],
     ["stored_ratio", "ratio stored", ".3f"],
+    ["plain_cpu_us_token", "plain server CPU (us/token)", ",.1f"],
+    ["capturing_cpu_us_token", "capturing server CPU, until stored (us/token)", ",.1f"],
+    ["collector_cpu_us_token", "collector CPU (us/token)", ",.1f"],
 ]
 RATIO_GOAL = 0.90
 
@@ -103,6 +106,25 @@ def wait_stored(collector: CollectorProcess, num_records: int, timeout_s: float 
     return time.perf_counter() - started
 
 
+def tree_cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of a process and its live descendants so far."""
+    import psutil
+
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
 def _start_both(servers: list[SGLangServer]) -> None:
     """Starts the servers at once (start-up is mostly waiting); raises the first failure."""
     with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
@@ -130,14 +152,23 @@ def run(config: Config) -> dict[str, Any]:
         run_round(capturing, batch[:4], "warmup-capturing", config.concurrency)
         num_sent = 4
         wait_stored(collector, num_sent)
+        stats_before = read_stats_file(spool_dir / "dp0" / "stats.json", newer_than=time.time())
         for round_number in range(config.rounds):
+            cpu_before = tree_cpu_s(plain.pid)
             plain_s = run_round(plain, batch, f"plain-{round_number}", config.concurrency)
+            plain_cpu_s = tree_cpu_s(plain.pid) - cpu_before
+            cpu_before, collector_before = tree_cpu_s(capturing.pid), tree_cpu_s(collector.process.pid)
             capturing_s = run_round(capturing, batch, f"capturing-{round_number}", config.concurrency)
             num_sent += len(batch)
             drain_s = wait_stored(collector, num_sent)
+            capturing_cpu_s = tree_cpu_s(capturing.pid) - cpu_before
+            collector_cpu_s = tree_cpu_s(collector.process.pid) - collector_before
             rows.append({"round": round_number, "plain_tokens_s": num_tokens / plain_s,
                          "capturing_tokens_s": num_tokens / capturing_s, "ratio": plain_s / capturing_s,
-                         "drain_s": drain_s, "stored_ratio": plain_s / (capturing_s + drain_s)})
+                         "drain_s": drain_s, "stored_ratio": plain_s / (capturing_s + drain_s),
+                         "plain_cpu_us_token": plain_cpu_s / num_tokens * 1e6,
+                         "capturing_cpu_us_token": capturing_cpu_s / num_tokens * 1e6,
+                         "collector_cpu_us_token": collector_cpu_s / num_tokens * 1e6})
         plugin_stats = read_stats_file(spool_dir / "dp0" / "stats.json", newer_than=time.time())
         stored_stats = collector.stats()
     finally:
@@ -148,11 +179,30 @@ def run(config: Config) -> dict[str, Any]:
 
     ratio = statistics.median(row["ratio"] for row in rows)
     stored_ratio = statistics.median(row["stored_ratio"] for row in rows)
+    measured_tokens = plugin_stats.get("captured_tokens", 0) - stats_before.get("captured_tokens", 0)
+
+    def per_token_us(counter: str) -> float:
+        spent_ns = plugin_stats.get(counter, 0) - stats_before.get(counter, 0)
+        return spent_ns / 1e3 / measured_tokens if measured_tokens else float("nan")
+
+    hook_us, hook_cpu_us, sender_us = per_token_us("hook_ns"), per_token_us("hook_cpu_ns"), per_token_us("sender_cpu_ns")
+    plain_cpu_us = statistics.median(row["plain_cpu_us_token"] for row in rows)
+    capturing_cpu_us = statistics.median(row["capturing_cpu_us_token"] for row in rows)
+    collector_cpu_us = statistics.median(row["collector_cpu_us_token"] for row in rows)
+    # Capture's own CPU (thread CPU of the hook and the sender, the collector's process): unlike wall
+    # time it does not grow when other work preempts us. The server's CPU per token also counts its
+    # idle polling, so it grows when rounds slow down: the CPU ratio is a bound, best on a quiet machine.
+    capture_cpu_us = hook_cpu_us + sender_us + collector_cpu_us
+    capture_cpu_ratio = plain_cpu_us / (plain_cpu_us + capture_cpu_us)
     dropped = plugin_stats.get("dropped") or {}  # reason -> count
     dropped_text = ", ".join(f"{count} {reason}" for reason, count in dropped.items()) or "none"
     summary = {
         "median_ratio": ratio, "median_stored_ratio": stored_ratio, "ratio_goal": RATIO_GOAL,
         "server_startup_s": startup_s,
+        "hook_us_per_token": hook_us, "hook_cpu_us_per_token": hook_cpu_us, "sender_cpu_us_per_token": sender_us,
+        "capture_cpu_us_per_token": capture_cpu_us,
+        "plain_cpu_us_per_token": plain_cpu_us, "capturing_cpu_us_per_token": capturing_cpu_us,
+        "collector_cpu_us_per_token": collector_cpu_us, "cpu_ratio": capture_cpu_ratio,
         "plugin": {key: plugin_stats.get(key) for key in
                    ("captured", "captured_tokens", "bytes_raw", "bytes_stored", "dropped")},
         "collector": {key: stored_stats.get(key) for key in ("num_records", "compression_ratio")},
@@ -162,6 +212,11 @@ def run(config: Config) -> dict[str, Any]:
         f"model {model.name} on {config.device}, {config.rounds} alternating rounds after a warm-up",
         f"median ratio capturing / not loaded: **{ratio:.3f}** served (goal >= {RATIO_GOAL:.2f}), "
         f"**{stored_ratio:.3f}** stored; the plugin's sender and the collector share the server's cores here",
+        f"capture CPU per captured token: scheduler thread in the hook {hook_cpu_us:.2f} us CPU "
+        f"({hook_us:.2f} us wall), sender thread {sender_us:.2f} us, collector {collector_cpu_us:.2f} us: "
+        f"**{capture_cpu_us:.2f} us** in all, against {plain_cpu_us:.1f} us of the plain server (median; it "
+        f"counts its idle polling too); CPU ratio plain / (plain + capture) **{capture_cpu_ratio:.3f}**: read the "
+        f"goal against it when other work shares the machine",
         f"plugin: captured {plugin_stats.get('captured')} records, {plugin_stats.get('captured_tokens')} tokens, "
         f"raw {plugin_stats.get('bytes_raw', 0) / 1e6:.1f} MB -> "
         f"stored {plugin_stats.get('bytes_stored', 0) / 1e6:.1f} MB, "

@@ -1,0 +1,91 @@
+"""/v1/batches: ingest several frames in one POST, each acknowledged on its own.
+
+The body is frames back to back (Content-Type application/x-eagle-tap-frames). The answer is 200
+`{"results": [...]}` with one entry per frame read, in body order:
+
+    {"record_id": "...", "status": "stored"}      durable now (or "duplicate": already stored)
+    {"status": "rejected", "error": "<reason>", "detail": "..."}   a bad frame: do not send it again
+    {"status": "retry", "error": "<reason>", "detail": "..."}      not stored now (overloaded, disk
+                                                                      full, stopping): send it again
+
+Frames after the last entry were not read (the stream could not be split further, or the batch
+limit was reached): the sender sends them again. A batch is never all-or-nothing: every entry
+stands for itself, and since ids are idempotent, re-sending a stored frame only answers "duplicate".
+Frames are handed to the writer in body order while the rest of the body streams in, so one group
+commit covers many of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from starlette.requests import ClientDisconnect
+
+from collector_service.dependencies import StoreDep, require_token
+from collector_service.errors import ApiError
+from collector_service.receive_batch import (
+    BATCH_CONTENT_TYPE,
+    MAX_FRAMES_PER_BATCH,
+    BodyReader,
+    FrameRejected,
+    next_frame,
+)
+from collector_service.store import RecordStore, SubmitOutcome
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/batches", tags=["records"], dependencies=[Depends(require_token)])
+
+_RETRY_STATUS = {408, 503, 507}
+
+
+def _error_entry(err: ApiError) -> dict[str, Any]:
+    status = "retry" if err.status_code in _RETRY_STATUS else "rejected"
+    return {"status": status, "error": err.reason, "detail": err.detail}
+
+
+async def _outcome_entry(store: RecordStore, submitted: asyncio.Task[SubmitOutcome]) -> dict[str, Any]:
+    try:
+        outcome = await submitted
+    except ApiError as err:
+        store.count_reject(err.reason)
+        return _error_entry(err)
+    return {"record_id": outcome.record_id, "status": outcome.status}
+
+
+@router.post("", openapi_extra={"requestBody": {"content": {BATCH_CONTENT_TYPE: {
+    "schema": {"type": "string", "format": "binary"}}}}})
+async def post_batch(request: Request, store: StoreDep) -> dict[str, Any]:
+    """Stores each frame of the body; answers once every stored one is durable."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != BATCH_CONTENT_TYPE:
+        raise ApiError(415, "unsupported_media_type",
+                       f"Content-Type is {media_type or 'missing'!r}; send frames back to back as {BATCH_CONTENT_TYPE}",
+                       close_connection=True)
+    reader = BodyReader(request.stream().__aiter__())
+    entries: list[asyncio.Task[SubmitOutcome] | dict[str, Any]] = []
+    try:
+        async with asyncio.timeout(store.settings.receive_timeout_s):
+            while len(entries) < MAX_FRAMES_PER_BATCH and not await reader.at_end():
+                try:
+                    frame = await next_frame(reader, store.settings, store.buffer_pool)
+                except FrameRejected as rejected:
+                    store.count_reject(rejected.error.reason)
+                    entries.append(_error_entry(rejected.error))
+                    continue
+                except ApiError as err:  # the rest of the body cannot be split into frames
+                    store.count_reject(err.reason)
+                    entries.append(_error_entry(err))
+                    break
+                entries.append(asyncio.create_task(store.submit(frame)))
+    except TimeoutError:
+        store.count_reject("receive_timeout")
+        entries.append(_error_entry(ApiError(
+            408, "receive_timeout", f"received {reader.received} bytes in receive_timeout_s="
+            f"{store.settings.receive_timeout_s:g}; send the rest again")))
+    except ClientDisconnect:
+        pass  # no one to answer; what was submitted is still stored (a re-send answers "duplicate")
+    results = [entry if isinstance(entry, dict) else await _outcome_entry(store, entry) for entry in entries]
+    return {"results": results}

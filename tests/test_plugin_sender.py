@@ -1,0 +1,64 @@
+"""The sender coalesces what is queued into few POSTs against a real collector, each frame acknowledged
+on its own, and drains its spool in batches once the collector is back."""
+
+from __future__ import annotations
+
+import time
+
+from sglang_patch.sender import ModelIdentity, Sender
+from sglang_patch.settings import CaptureSettings
+from sglang_patch.spool import Spool
+from sglang_patch.stats import CaptureStats
+from test_collector_support import TOKEN, ThreadedCollector
+from test_plugin_hostile_collector import captured
+
+MODEL = ModelIdentity(capture_layers=(1, 3), hidden_size=16, model_fingerprint="test")
+
+
+def start_sender(tmp_path, collector_url: str, **settings) -> tuple[Sender, CaptureStats, Spool]:
+    config = CaptureSettings(collector_url=collector_url, token=TOKEN, spool_dir=tmp_path / "spool", **settings)
+    stats = CaptureStats()
+    spool = Spool(config.spool_dir / "dp0", config.spool_max_bytes)
+    return Sender(settings=config, model=MODEL, stats=stats, spool=spool, stats_path=tmp_path / "stats.json"), stats, spool
+
+
+def wait_for_count(stats: CaptureStats, name: str, count: int, timeout_s: float = 30) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while (snapshot := stats.snapshot()).get(name, 0) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return snapshot
+
+
+def test_queued_captures_share_posts_and_each_is_stored(tmp_path) -> None:
+    with ThreadedCollector(data_dir=tmp_path / "data") as collector:
+        sender, stats, _ = start_sender(tmp_path, collector.url, batch_max_age_s=0.5)
+        try:
+            for index in range(20):
+                sender.submit(captured(f"batched-{index}"))
+            snapshot = wait_for_count(stats, "sent", 20)
+        finally:
+            sender.close()
+        assert snapshot["sent"] == 20 and snapshot["dropped"] == {}
+        assert snapshot["posts"] <= 3, f"20 captures queued together took {snapshot['posts']} POSTs"
+        assert all(collector.store.lookup(f"batched-{index}") is not None for index in range(20))
+
+
+def test_a_spool_filled_while_the_collector_was_down_drains_in_batches(tmp_path) -> None:
+    down_url = "http://127.0.0.1:9"
+    sender, stats, spool = start_sender(tmp_path, down_url, batch_max_age_s=0.0)
+    try:
+        for index in range(12):
+            sender.submit(captured(f"late-{index}"))
+        wait_for_count(stats, "spooled", 12)
+    finally:
+        sender.close()
+    assert len(spool) == 12
+    with ThreadedCollector(data_dir=tmp_path / "data") as collector:
+        sender, stats, spool = start_sender(tmp_path, collector.url)  # a restart finds the spool
+        try:
+            snapshot = wait_for_count(stats, "resent_from_spool", 12)
+        finally:
+            sender.close()
+        assert snapshot["resent_from_spool"] == 12 and len(spool) == 0 and snapshot["posts"] == 1
+        offsets = [collector.store.lookup(f"late-{index}").offset for index in range(12)]
+        assert offsets == sorted(offsets), "spooled frames reach the collector in capture order"
