@@ -31,7 +31,8 @@ class CaptureSettings(BaseSettings):
     capture_layers: Annotated[list[int] | None, NoDecode] = None
     """Decoder layers whose input is captured, e.g. `3,31,59`; default `[3, L//2 + 1, L - 2]`."""
     codec: str | None = None
-    """Codec of the aux and final states in each frame: raw, zstd:N or bf16-split; unset picks bf16-split for bf16 serving, zstd:1 for fp16 and fp32."""
+    """Codec of the aux and final states in each frame: raw, zstd:N or bf16-split; unset picks bf16-split for
+    bf16 serving, zstd:1 for fp16 and fp32."""
     spool_dir: Path = Path("/tmp/eagle-tap-spool")
     """Where frames wait while the collector is unreachable; re-sent in order when it is back."""
     spool_max_bytes: int = Field(default=8 << 30, ge=0)
