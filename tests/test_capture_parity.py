@@ -18,20 +18,13 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from capture_helpers import (
-    aux_as_float,
-    final_as_float,
-    generate,
-    read_stats,
-    relative_error,
-    stored_record,
-    wait_for,
-)
+from capture_helpers import aux_as_float, final_as_float, generate, read_stats, relative_error, stored_record, wait_for
 from eagle_tap.sglang_server import ServerConfig, SGLangServer
 from eagle_tap.tiny_model import TINY_MODEL_DIR
 
@@ -72,11 +65,11 @@ class Target:
     case: Case
     hf_model: torch.nn.Module
     fp32: SGLangServer
-    fp32_spool: object
+    fp32_spool: Path
     custom: SGLangServer
 
 
-def _start(model_dir, tmp_path_factory, collector, *, name: str, args=(), env=()) -> tuple[SGLangServer, object]:
+def _start(model_dir, tmp_path_factory, collector, *, name: str, args=(), env=()) -> tuple[SGLangServer, Path]:
     spool = tmp_path_factory.mktemp(f"spool-{name}")
     server = SGLangServer(ServerConfig(
         model_path=model_dir, extra_args=tuple(args), log_path=tmp_path_factory.mktemp(name) / "server.log",
