@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from capture_format.codecs import get_codec
+from capture_format.codecs import Codec, get_codec
 from capture_format.errors import ChecksumError, CodecError, FrameError
 from capture_format.frame_header import (
     ELEMENT_DTYPES,
@@ -56,6 +56,7 @@ __all__ = [
     "FRAME_PREFIX_NBYTES",
     "MAX_FRAME_NBYTES",
     "FramePrefix",
+    "codec_for_states",
     "decode_frame",
     "encode_frame",
     "inspect_frame",
@@ -82,10 +83,20 @@ def _header_checksum(prefix: bytes | memoryview, header: bytes | memoryview) -> 
     return digest.hexdigest()
 
 
+def codec_for_states(dtype: str, codec: str | None = None) -> Codec:
+    """The codec for states of `dtype` (a STATE_DTYPES name): `codec`, or DEFAULT_CODECS[dtype] when None.
+
+    Raises CodecError when the codec cannot store such elements (bf16-split and 4-byte float32), so a
+    writer can refuse the pairing once, up front, instead of failing every record.
+    """
+    state_codec = get_codec(codec if codec is not None else DEFAULT_CODECS[dtype])
+    state_codec.check_itemsize(STATE_DTYPES[dtype].itemsize)
+    return state_codec
+
+
 def encode_frame(record: CaptureRecord, codec: str | None = None) -> bytes:
     """Returns record as one frame; codec applies to aux and final (default: DEFAULT_CODECS[dtype])."""
-    state_codec = get_codec(codec if codec is not None else DEFAULT_CODECS[record.dtype])
-    state_codec.check_itemsize(STATE_DTYPES[record.dtype].itemsize)
+    state_codec = codec_for_states(record.dtype, codec)
     tensor_sources = (
         ("token_ids", TOKEN_IDS_DTYPE_LABEL, record.token_ids, get_codec(TOKEN_IDS_CODEC)),
         ("aux", record.dtype, record.aux, state_codec),

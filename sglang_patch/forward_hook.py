@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from capture_format import capture_layers_from_sglang_ids
+from capture_format import CodecError, capture_layers_from_sglang_ids, codec_for_states
 from sglang_patch.capture import CaptureAssembler
 from sglang_patch.device_copy import CudaRowCopier, HostCopier, RowCopier
 from sglang_patch.plugin import model_identity_fields
-from sglang_patch.sender import ModelIdentity, Sender
+from sglang_patch.sender import ModelIdentity, Sender, record_dtype
 from sglang_patch.settings import CaptureSettings
 from sglang_patch.spool import Spool, SpoolDirectoryError, check_private_directory
 from sglang_patch.stats import CaptureStats
@@ -113,8 +113,21 @@ class CaptureHook:
         hf_config = getattr(worker.model_config, "hf_text_config", None) or worker.model_config.hf_config
         architecture = (getattr(worker.model_config.hf_config, "architectures", None) or ["?"])[0]
         capture_layers = capture_layers_from_sglang_ids(architecture, layer_ids, hf_config.num_hidden_layers)
+        # The states come out in the dtype the model runs in; the codec must be able to store them.
+        state_dtype = record_dtype(worker.model_config.dtype)
+        if state_dtype is None:
+            self._disable(f"the model runs in {worker.model_config.dtype}, which records cannot hold "
+                          "(bfloat16, float16, float32)")
+            return
+        try:
+            codec = codec_for_states(state_dtype, self._settings.codec).spec
+        except CodecError as error:
+            self._disable(f"EAGLE_TAP_CODEC={self._settings.codec} cannot store the {state_dtype} states this "
+                          f"server computes: {error}")
+            return
         model = ModelIdentity(capture_layers=tuple(capture_layers), hidden_size=int(hf_config.hidden_size),
-                              model_fingerprint=model_identity_fields(worker.model_config.model_path))
+                              model_fingerprint=model_identity_fields(worker.model_config.model_path),
+                              state_dtype=state_dtype, codec=codec)
         dp_rank = _parallel_rank("attn_dp_rank")
         copier = self._row_copier(worker)
         try:
@@ -131,5 +144,5 @@ class CaptureHook:
                                            copier=copier)
         self.stats.status = "capturing"
         atexit.register(self.sender.close)
-        logger.info("eagle-tap capturing layers %s (hidden %d, %s) to %s", capture_layers, model.hidden_size,
-                    model.model_fingerprint, self._settings.collector_url)
+        logger.info("eagle-tap capturing layers %s (hidden %d, %s states, codec %s, %s) to %s", capture_layers,
+                    model.hidden_size, state_dtype, codec, model.model_fingerprint, self._settings.collector_url)

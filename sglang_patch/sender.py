@@ -52,6 +52,16 @@ class ModelIdentity:
     capture_layers: tuple[int, ...]
     hidden_size: int
     model_fingerprint: str
+    state_dtype: str
+    """Record dtype of the aux and final states (`bfloat16`, `float16`, `float32`): the serving dtype."""
+    codec: str
+    """Codec of the states in every frame, checked against state_dtype before capture starts."""
+
+
+def record_dtype(dtype: torch.dtype) -> str | None:
+    """The record dtype name of states held as `dtype`, or None when records cannot hold it."""
+    entry = _STATE_DTYPES.get(dtype)
+    return entry[0] if entry is not None else None
 
 
 def to_record(captured: CapturedSequence, model: ModelIdentity) -> CaptureRecord:
@@ -167,7 +177,7 @@ class Sender:
 
     def _encode(self, captured: CapturedSequence) -> bytes | None:
         try:
-            return encode_frame(to_record(captured, self._model), self._settings.codec)
+            return encode_frame(to_record(captured, self._model), self._model.codec)
         except ValueError as error:
             self._stats.drop("invalid_record")
             logger.error("eagle-tap: capture %s is not a valid record: %s", captured.tag.record_id, error)

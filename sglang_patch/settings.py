@@ -30,8 +30,9 @@ class CaptureSettings(BaseSettings):
     """Bearer token the collector expects, if it has one."""
     capture_layers: Annotated[list[int] | None, NoDecode] = None
     """Decoder layers whose input is captured, e.g. `3,31,59`; default `[3, L//2 + 1, L - 2]`."""
-    codec: str = "bf16-split"
-    """Codec of the aux and final states in each frame: raw, zstd:N or bf16-split."""
+    codec: str | None = None
+    """Codec of the aux and final states in each frame: raw, zstd:N or bf16-split; unset picks bf16-split for
+    bf16 serving, zstd:1 for fp16 and fp32."""
     spool_dir: Path = Field(default=Path("~/.local/state/eagle-tap/spool"), validate_default=True)
     """Where frames wait while the collector is unreachable; re-sent in order when it is back. Must be
     private to the server's user (0700, checked at start): never a shared directory such as /tmp itself."""
@@ -84,8 +85,11 @@ class CaptureSettings(BaseSettings):
 
     @field_validator("codec")
     @classmethod
-    def _check_codec(cls, codec: str) -> str:
-        get_codec(codec)  # raises UnknownCodecError naming the available codecs
+    def _check_codec(cls, codec: str | None) -> str | None:
+        if codec == "":
+            return None
+        if codec is not None:
+            get_codec(codec)  # raises UnknownCodecError naming the available codecs
         return codec
 
     @property

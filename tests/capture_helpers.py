@@ -76,12 +76,19 @@ def collector_stats(collector: CollectorProcess) -> dict:
     return collector.stats()
 
 
+def _as_float(record, states) -> np.ndarray:
+    states = np.asarray(states)
+    if record.dtype == "bfloat16":  # stored as its bits (numpy has no bfloat16)
+        return float32_from_bfloat16_bits(states)
+    return states.astype(np.float32)
+
+
 def aux_as_float(record) -> np.ndarray:
-    return float32_from_bfloat16_bits(np.asarray(record.aux))  # (T, K, H)
+    return _as_float(record, record.aux)  # (T, K, H)
 
 
 def final_as_float(record) -> np.ndarray:
-    return float32_from_bfloat16_bits(np.asarray(record.final))  # (T, H)
+    return _as_float(record, record.final)  # (T, H)
 
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:

@@ -35,6 +35,21 @@ def tiny_model_dir() -> Path:
     return TINY_MODEL_DIR
 
 
+@pytest.fixture(scope="session")
+def random_target(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Factory: `random_target(arch)` -> folder of a tiny random target of that architecture, built once per session."""
+    from eagle_tap.tiny_model import random
+
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = random.build(random.Config(arch=arch), tmp_path_factory.mktemp("targets") / arch)
+        return built[arch]
+
+    return get
+
+
 @pytest.fixture(scope="module")
 def start_sglang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., SGLangServer]]:
     """Factory: `start_sglang(model_path, extra_args=(...), env={...})` -> a healthy server, stopped after the module.
@@ -60,8 +75,6 @@ def start_sglang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
     finally:
         for server in servers.values():
             server.stop()
-
-
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from capture_format import CodecError, UnknownCodecError, bfloat16_bits_from_float32, get_codec
+from capture_format import CodecError, UnknownCodecError, bfloat16_bits_from_float32, codec_for_states, get_codec
 
 LOSSLESS_SPECS = ["raw", "zstd", "zstd:1", "zstd:3", "zstd:19", "bf16-split"]
 BF16_EDGE_BITS = np.array(
@@ -181,3 +181,19 @@ def test_codecs_are_safe_to_share_between_threads() -> None:
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         assert all(pool.map(round_trip, arrays))
+
+
+@pytest.mark.parametrize("dtype, codec, chosen", [
+    ("bfloat16", None, "bf16-split"),
+    ("float16", None, "zstd:1"),
+    ("float32", None, "zstd:1"),
+    ("float32", "raw", "raw"),
+    ("bfloat16", "zstd:3", "zstd:3"),
+])
+def test_the_codec_for_states_fits_their_dtype(dtype, codec, chosen):
+    assert codec_for_states(dtype, codec).spec == chosen
+
+
+def test_a_codec_that_cannot_store_the_states_dtype_is_refused():
+    with pytest.raises(CodecError, match="needs 2-byte elements"):
+        codec_for_states("float32", "bf16-split")

@@ -89,6 +89,32 @@ def test_a_spool_directory_others_can_write_leaves_capture_off_and_serving_on(st
     assert list(spool_dir.iterdir()) == [], "nothing is written into a directory others control"
 
 
+def test_a_codec_that_cannot_store_fp32_states_is_refused_at_start_up(start_sglang, tiny_model_dir, tokenizer,
+                                                                       tmp_path):
+    spool_dir = tmp_path / "spool"
+    server = start_sglang(tiny_model_dir, extra_args=("--dtype", "float32"),
+                          env=capture_env(f"http://127.0.0.1:{free_port()}", spool_dir, codec="bf16-split"))
+    ids = prompt_ids(tokenizer, 410, 20)
+    assert len(generate(server, ids, record_id="never-fp32", max_new_tokens=2)["output_ids"]) == 2
+    stats = wait_for(lambda: read_stats(spool_dir, rank_dir=""), 10, "the dormant status")
+    assert stats["status"].startswith("dormant: EAGLE_TAP_CODEC=bf16-split cannot store the float32 states")
+    assert "captured" not in stats
+    log = server.log_path.read_text(errors="replace")
+    assert "eagle-tap capture disabled in this process: EAGLE_TAP_CODEC=bf16-split" in log and "2-byte elements" in log
+
+
+def test_deepseek_refuses_capture_layer_1_as_its_first_layer(start_sglang, random_target, tmp_path):
+    """DeepSeek's SGLang class shifts ids only when the first is 1, so the input of layer 1 cannot come first."""
+    spool_dir = tmp_path / "spool"
+    server = start_sglang(random_target("deepseek_v3"),
+                          env=capture_env(f"http://127.0.0.1:{free_port()}", spool_dir, capture_layers="1,3,5"))
+    assert len(generate(server, list(range(10, 30)), record_id="never-layer-1", max_new_tokens=2)["output_ids"]) == 2
+    log = server.log_path.read_text(errors="replace")
+    assert "eagle-tap capture disabled: LayerConfigError: DeepseekV3ForCausalLM cannot capture layer 1" in log
+    stats = wait_for(lambda: read_stats(spool_dir, rank_dir=""), 10, "the dormant status")
+    assert stats["status"].startswith("dormant") and "captured" not in stats
+
+
 @pytest.mark.parametrize("variable, value, message", [
     ("EAGLE_TAP_COLLECTOR_URL", "not a url", "must be an http(s) URL"),
     ("EAGLE_TAP_CODEC", "zstdd", "unknown codec 'zstdd'"),

@@ -3,8 +3,11 @@
 The ops SGLang's EAGLE-3 speculative decoding calls on a CPU are implemented in plain torch
 (`_eagle_tap_kernels.py`) and the attention backend SGLang uses for it on a CPU is made available
 on CPUs without AMX (`_eagle_tap_speculative_cpu.py`); calling anything else raises `StandInCalledError`.
+Beside it, one CPU-only measure that is not a stand-in: MLA models on torch_native attention
+(`_eagle_tap_mla_cpu.py`).
 """
 
+import _eagle_tap_mla_cpu
 import _eagle_tap_speculative_cpu
 from _eagle_tap_kernels import (  # noqa: F401  (re-exported under their sgl_kernel names)
     assign_draft_cache_locs_contiguous_cpu,
@@ -25,4 +28,5 @@ EAGLE_TAP_STAND_IN = True
 __version__ = "0.0.0"
 register_torch_ops()
 _eagle_tap_speculative_cpu.install()
+_eagle_tap_mla_cpu.install()
 install_stand_in(__import__(__name__))

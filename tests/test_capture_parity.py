@@ -1,0 +1,186 @@
+"""Captures equal HF transformers' states on every architecture family eagle-tap supports, through the real
+SGLang server (CPU), plugin and collector.
+
+Per architecture (the committed tiny Llama, a random Qwen3, a random DeepSeek-V3 with MLA and MoE), two
+servers with the plugin shipping to one collector:
+- `fp32`: `--dtype float32`, the default capture layers the plugin picks; every aux slot and the final
+  state within relative error 1e-4 of HF's fp32 forward (which also checks that fp32 serving captures
+  at all: its states need a codec other than bf16-split);
+- `custom`: bf16 serving, capture layers set by hand (SGLang's own `--return-aux-hidden-state-layer-ids`,
+  or `EAGLE_TAP_CAPTURE_LAYERS`); per-token median relative error <= 0.03.
+HF's `hidden_states[c]` is the input of decoder layer c, `hidden_states[-1]` the post-norm final state,
+so each slot must match its claimed layer, and match it far better than the layers next to it: this is
+what pins down each SGLang class's layer-id rule (DeepSeek shifts ids only when the first is 1).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from capture_helpers import aux_as_float, final_as_float, generate, read_stats, relative_error, stored_record, wait_for
+from eagle_tap.sglang_server import ServerConfig, SGLangServer
+from eagle_tap.tiny_model import TINY_MODEL_DIR
+
+pytestmark = pytest.mark.sglang
+
+FP32_REL_TOL = 1e-4
+BF16_MEDIAN_REL_TOL = 0.03
+NEIGHBOUR_MARGIN = 20  # a neighbouring layer must be at least this many times further off than the claimed one
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Case:
+    arch: str
+    default_layers: tuple[int, ...]
+    """What the plugin must pick for 8 layers: [3, L//2 + 1, L - 2]."""
+    custom_args: tuple[str, ...] = ()
+    custom_env: tuple[tuple[str, str], ...] = ()
+    custom_layers: tuple[int, ...]
+    """The capture layers the custom server's setting means for this architecture's SGLang class."""
+
+
+def _hand_ids(*ids: int) -> tuple[str, ...]:
+    return ("--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
+            "--return-aux-hidden-state-layer-ids", *map(str, ids))
+
+
+CASES = [
+    Case(arch="llama", default_layers=(3, 5, 6), custom_env=(("EAGLE_TAP_CAPTURE_LAYERS", "1,4,7"),),
+         custom_layers=(1, 4, 7)),
+    Case(arch="qwen3", default_layers=(3, 5, 6), custom_args=_hand_ids(0, 2, 6), custom_layers=(1, 3, 7)),
+    # Ids 3 5 6 (the default) are taken as they are; a first id of 1 shifts every id by one.
+    Case(arch="deepseek_v3", default_layers=(3, 5, 6), custom_args=_hand_ids(1, 3, 5), custom_layers=(2, 4, 6)),
+]
+
+
+@dataclasses.dataclass(kw_only=True)
+class Target:
+    case: Case
+    hf_model: torch.nn.Module
+    fp32: SGLangServer
+    fp32_spool: Path
+    custom: SGLangServer
+
+
+def _start(model_dir, tmp_path_factory, collector, *, name: str, args=(), env=()) -> tuple[SGLangServer, Path]:
+    spool = tmp_path_factory.mktemp(f"spool-{name}")
+    server = SGLangServer(ServerConfig(
+        model_path=model_dir, extra_args=tuple(args), log_path=tmp_path_factory.mktemp(name) / "server.log",
+        env={"EAGLE_TAP_COLLECTOR_URL": collector.url, "EAGLE_TAP_SPOOL_DIR": str(spool), **dict(env)}))
+    server.start()
+    return server, spool
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda case: case.arch)
+def target(request, random_target, collector, tmp_path_factory):
+    """One architecture's two capture servers; stopped before the next architecture's start."""
+    from transformers import AutoModelForCausalLM
+
+    case: Case = request.param
+    model_dir = TINY_MODEL_DIR if case.arch == "llama" else random_target(case.arch)
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    servers = []
+    try:
+        fp32, fp32_spool = _start(model_dir, tmp_path_factory, collector, name=f"{case.arch}-fp32",
+                                  args=("--dtype", "float32"))
+        servers.append(fp32)
+        custom, _ = _start(model_dir, tmp_path_factory, collector, name=f"{case.arch}-custom",
+                           args=case.custom_args, env=case.custom_env)
+        servers.append(custom)
+        yield Target(case=case, hf_model=hf_model, fp32=fp32, fp32_spool=fp32_spool, custom=custom)
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def hf_hidden_states(hf_model, input_ids: list[int]) -> np.ndarray:
+    """(L + 1, T, H): [c] = input of decoder layer c for c < L, [L] = final state after the norm."""
+    with torch.no_grad():
+        hidden = hf_model(torch.tensor([input_ids]), output_hidden_states=True).hidden_states
+    return torch.stack([state[0] for state in hidden]).float().numpy()
+
+
+def median_token_error(got: np.ndarray, want: np.ndarray) -> float:
+    """Median over tokens of ||got_t - want_t|| / ||want_t||."""
+    per_token = np.linalg.norm(got - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-12)
+    return float(np.median(per_token))
+
+
+def layer_errors(record, hidden: np.ndarray, metric) -> tuple[list[float], list[float], float]:
+    """Per slot: error against its claimed layer and against the closest other layer; then the final's error."""
+    aux = aux_as_float(record)  # (T, K, H)
+    claimed, nearest_other = [], []
+    for slot, layer in enumerate(record.capture_layers):
+        errors = [metric(aux[:, slot], hidden[index]) for index in range(len(hidden))]
+        claimed.append(errors[layer])
+        nearest_other.append(min(error for index, error in enumerate(errors) if index != layer))
+    return claimed, nearest_other, metric(final_as_float(record), hidden[-1])
+
+
+def check_record(record, hidden: np.ndarray, *, layers: tuple[int, ...], metric, tolerance: float, what: str) -> str:
+    """Assert the record holds `layers` equal to HF's within tolerance; return a line of the measured errors."""
+    assert record.capture_layers == layers, what
+    claimed, nearest_other, final_error = layer_errors(record, hidden, metric)
+    assert max(claimed) <= tolerance and final_error <= tolerance, (what, claimed, final_error)
+    for slot, (own, other) in enumerate(zip(claimed, nearest_other)):
+        assert other > NEIGHBOUR_MARGIN * max(own, tolerance / NEIGHBOUR_MARGIN), (what, slot, own, other)
+    return (f"{what}: " + ", ".join(f"layer {layer} {own:.2e} (next best {other:.2f})"
+                                    for layer, own, other in zip(layers, claimed, nearest_other))
+            + f", final {final_error:.2e}")
+
+
+def random_ids(seed: int, num_tokens: int) -> list[int]:
+    return np.random.default_rng(seed).integers(7, 4096, num_tokens).tolist()  # past the special tokens
+
+
+def test_fp32_capture_of_the_default_layers_equals_transformers(target, collector):
+    arch = target.case.arch
+    input_ids = random_ids(1, 45)
+    generate(target.fp32, input_ids, record_id=f"{arch}-fp32")
+    record = stored_record(collector, f"{arch}-fp32")
+    assert record.dtype == "float32" and record.token_ids.tolist() == input_ids
+    print(check_record(record, hf_hidden_states(target.hf_model, input_ids), layers=target.case.default_layers,
+                       metric=relative_error, tolerance=FP32_REL_TOL, what=f"{arch} fp32 default"))
+    log = target.fp32.log_path.read_text(errors="replace")
+    assert "float32 states, codec zstd:1" in log  # the plugin says which codec it chose for fp32 states
+
+
+def test_bf16_capture_of_hand_set_layers_equals_transformers(target, collector):
+    arch = target.case.arch
+    input_ids = random_ids(2, 38)
+    generate(target.custom, input_ids, record_id=f"{arch}-bf16-custom")
+    record = stored_record(collector, f"{arch}-bf16-custom")
+    assert record.dtype == "bfloat16"
+    print(check_record(record, hf_hidden_states(target.hf_model, input_ids), layers=target.case.custom_layers,
+                       metric=median_token_error, tolerance=BF16_MEDIAN_REL_TOL, what=f"{arch} bf16 custom"))
+
+
+def test_concurrent_requests_of_different_lengths_split_into_their_own_records(target, collector):
+    """Several requests in one EXTEND forward: each record holds exactly its own rows."""
+    arch = target.case.arch
+    log_before = len(target.fp32.log_path.read_text(errors="replace"))
+    lengths = [5, 31, 12, 64, 3, 47, 20, 9]
+    requests = {f"{arch}-batch-{index}": random_ids(100 + index, length) for index, length in enumerate(lengths)}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        for future in [pool.submit(generate, target.fp32, ids, record_id=record_id)
+                       for record_id, ids in requests.items()]:
+            future.result()
+    log = target.fp32.log_path.read_text(errors="replace")[log_before:]
+    batch_sizes = [int(size) for size in re.findall(r"Prefill batch.*?#new-seq: (\d+)", log)]
+    assert max(batch_sizes) >= 2, f"no prefill batch held more than one request: {batch_sizes}"
+    hf_model = target.hf_model
+    for record_id, ids in requests.items():
+        record = stored_record(collector, record_id)
+        assert record.token_ids.tolist() == ids, record_id
+        check_record(record, hf_hidden_states(hf_model, ids), layers=target.case.default_layers,
+                     metric=relative_error, tolerance=FP32_REL_TOL, what=record_id)
+    stats = wait_for(lambda: (s := read_stats(target.fp32_spool)).get("sent", 0) >= len(requests) + 1 and s, 30,
+                     "the plugin's stats")
+    assert stats["dropped"] == {}
