@@ -31,7 +31,8 @@ from capture_format import records
 from capture_format.errors import CaptureFormatError, ShardError, check_json_type, describe
 from capture_format.frame_header import FrameInfo
 
-__all__ = ["INDEX_FORMAT_VERSION", "IndexEntry", "ShardIndex", "build_index", "load_index", "write_index"]
+__all__ = ["INDEX_FORMAT_VERSION", "IndexEntry", "ShardFiles", "ShardIndex", "build_index", "list_shard_files",
+           "load_index", "write_index"]
 
 INDEX_FORMAT_VERSION = 1
 SEALED_SUFFIX = ".etap"
@@ -62,6 +63,29 @@ def parse_shard_file_name(name: str) -> tuple[int, str] | None:
     """Returns (number, suffix) for a shard, open shard or index file name, else None."""
     match = _FILE_NAME.fullmatch(name)
     return None if match is None else (int(match.group(1)), match.group(2))
+
+
+@dataclass(frozen=True, slots=True)
+class ShardFiles:
+    """The shard files of a directory by kind, each a list of (number, path) in number order."""
+
+    sealed: list[tuple[int, Path]]
+    open: list[tuple[int, Path]]
+    indexes: list[tuple[int, Path]]
+
+
+def list_shard_files(directory: Path | str) -> ShardFiles:
+    """The one listing of a shard directory; ShardError names a folder that is missing or not a folder."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        what = "is not a folder" if directory.exists() else "does not exist"
+        raise ShardError(f"shards folder {describe(str(directory))} {what}")
+    files: dict[str, list[tuple[int, Path]]] = {SEALED_SUFFIX: [], OPEN_SUFFIX: [], INDEX_SUFFIX: []}
+    for name in sorted(os.listdir(directory)):
+        parsed = parse_shard_file_name(name)
+        if parsed is not None:
+            files[parsed[1]].append((parsed[0], directory / name))
+    return ShardFiles(sealed=files[SEALED_SUFFIX], open=files[OPEN_SUFFIX], indexes=files[INDEX_SUFFIX])
 
 
 def index_path_for(shard_path: Path) -> Path:

@@ -19,14 +19,7 @@ from types import TracebackType
 from capture_format.errors import CaptureFormatError, ChecksumError, FrameError, ShardError
 from capture_format.frames import decode_frame, parse_frame_prefix
 from capture_format.records import CaptureRecord
-from capture_format.shard_index import (
-    OPEN_SUFFIX,
-    SEALED_SUFFIX,
-    IndexEntry,
-    ShardIndex,
-    load_index,
-    parse_shard_file_name,
-)
+from capture_format.shard_index import IndexEntry, ShardIndex, list_shard_files, load_index
 
 __all__ = ["ShardDirectory", "VerifyReport", "verify_shard"]
 
@@ -66,16 +59,9 @@ class ShardDirectory:
     def __init__(self, path: Path | str) -> None:
         """Loads every sealed shard's index; ShardError if one is missing, malformed or wrong-sized."""
         self.path = Path(path)
-        sealed_paths = []
-        open_paths = []
-        for name in sorted(os.listdir(self.path)):
-            parsed = parse_shard_file_name(name)
-            if parsed is not None and parsed[1] == SEALED_SUFFIX:
-                sealed_paths.append(self.path / name)
-            elif parsed is not None and parsed[1] == OPEN_SUFFIX:
-                open_paths.append(self.path / name)
-        self.shards: tuple[ShardIndex, ...] = tuple(_load_checked_index(shard) for shard in sealed_paths)
-        self.open_shard_paths: tuple[Path, ...] = tuple(open_paths)
+        files = list_shard_files(self.path)
+        self.shards: tuple[ShardIndex, ...] = tuple(_load_checked_index(shard) for _, shard in files.sealed)
+        self.open_shard_paths: tuple[Path, ...] = tuple(shard for _, shard in files.open)
         """Shards still being written (or awaiting recovery): not readable through an index."""
         self._fds: dict[Path, int] = {}
 

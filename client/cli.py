@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,11 +58,7 @@ def config_from_args(args: argparse.Namespace) -> "FireConfig":
 def _fire(args: argparse.Namespace) -> int:
     from client.fire import run_fire
 
-    try:
-        return run_fire(config_from_args(args))
-    except ValueError as err:  # bad input or settings: say what is wrong, no traceback
-        print(f"eagle-tap fire: error: {err}", file=sys.stderr)
-        return 2
+    return run_fire(config_from_args(args))  # bad input or settings raise; eagle-tap's boundary reports them
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:

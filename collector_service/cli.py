@@ -7,6 +7,8 @@ Imports nothing heavy at module level: FastAPI and uvicorn load only when `colle
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import socket
 import sys
 from pathlib import Path
@@ -18,7 +20,10 @@ def _settings_overrides(args: argparse.Namespace) -> dict[str, object]:
     """Flags given on the command line; everything else comes from EAGLE_TAP_COLLECTOR_* or defaults."""
     token = args.token
     if args.token_file is not None:
-        token = Path(args.token_file).read_text().strip()
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as err:
+            raise ValueError(f"--token-file {args.token_file}: {err.strerror or err}") from None
     given = {
         "data_dir": args.data_dir,
         "host": args.host,
@@ -35,17 +40,41 @@ def _settings_overrides(args: argparse.Namespace) -> dict[str, object]:
 
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=1024)
+    try:
+        return socket.create_server((host, port), family=family, backlog=1024)
+    except OSError as err:
+        raise ValueError(f"cannot listen on {host}:{port}: {err.strerror or err}"
+                         f"{' (pick another --port, or 0 for a free one)' if err.errno == errno.EADDRINUSE else ''}"
+                         ) from None
+
+
+def check_data_dir(data_dir: Path) -> None:
+    """Creates data_dir and writes, syncs and removes a file in it: a folder the collector cannot write
+    must fail at start, not after it reported healthy and acknowledged nothing."""
+    probe = data_dir / f".write-test-{os.getpid()}"
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"eagle-tap")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"the data folder {data_dir} is not writable: {err.strerror or err}") from None
 
 
 def _collect(args: argparse.Namespace) -> int:
     import uvicorn
 
     from collector_service.app import create_app
+    from collector_service.http_limits import server_limits
     from collector_service.malloc_tuning import keep_freed_memory
     from collector_service.settings import CollectorSettings
 
     settings = CollectorSettings(**_settings_overrides(args))
+    check_data_dir(settings.data_dir)
     if settings.malloc_retained_bytes > 0:
         keep_freed_memory(settings.malloc_retained_bytes)
     if settings.token is None:
@@ -54,6 +83,7 @@ def _collect(args: argparse.Namespace) -> int:
     port = listener.getsockname()[1]
     config = uvicorn.Config(
         create_app(settings),
+        **server_limits(settings),
         log_level=args.log_level,
         access_log=args.access_log,
         lifespan="on",
@@ -120,4 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m collector_service", description=__doc__.splitlines()[0])
     add_commands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
     args = parser.parse_args(argv)
-    return args.run(args)
+    from eagle_tap.cli import run_command  # the one error boundary (one line and exit 2 for a mistake)
+
+    args.debug = False
+    return run_command(args)

@@ -7,54 +7,44 @@ recovers them when it starts. Returns False if anything is wrong.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from pathlib import Path
 from typing import TextIO
 
 from capture_format import ShardDirectory, ShardError, load_index, verify_shard
-from capture_format.shard_index import INDEX_SUFFIX, OPEN_SUFFIX, SEALED_SUFFIX, parse_shard_file_name, shard_file_name
+from capture_format.shard_index import SEALED_SUFFIX, list_shard_files, shard_file_name
 
 __all__ = ["print_stats", "verify_directory"]
 
 
-def _shard_files(data_dir: Path) -> dict[str, list[tuple[int, str]]]:
-    files: dict[str, list[tuple[int, str]]] = {SEALED_SUFFIX: [], OPEN_SUFFIX: [], INDEX_SUFFIX: []}
-    for name in sorted(os.listdir(data_dir)):
-        parsed = parse_shard_file_name(name)
-        if parsed is not None:
-            files[parsed[1]].append((parsed[0], name))
-    return files
-
-
 def verify_directory(data_dir: Path, *, out: TextIO) -> bool:
-    """Prints one line per shard and a summary; True when no problem was found."""
-    files = _shard_files(data_dir)
+    """Prints one line per shard and a summary; True when no problem was found (an empty folder is one)."""
+    files = list_shard_files(data_dir)
     problems: list[str] = []
     record_ids: Counter[str] = Counter()
     num_records = num_verified = 0
-    for _, name in files[SEALED_SUFFIX]:
+    for _, path in files.sealed:
         try:
-            report = verify_shard(data_dir / name)
-            entries = load_index(data_dir / name).entries
+            report = verify_shard(path)
+            entries = load_index(path).entries
         except ShardError as err:
             problems.append(str(err))
-            print(f"{name}: FAILED: {err}", file=out)
+            print(f"{path.name}: FAILED: {err}", file=out)
             continue
         record_ids.update(entry.record_id for entry in entries)
         num_records += report.num_records
         num_verified += report.num_verified
         problems.extend(report.problems)
         status = "ok" if report.ok else f"{len(report.problems)} problems"
-        print(f"{name}: {report.num_verified}/{report.num_records} records verified, {status}", file=out)
+        print(f"{path.name}: {report.num_verified}/{report.num_records} records verified, {status}", file=out)
         for problem in report.problems:
             print(f"  {problem}", file=out)
-    for _, name in files[OPEN_SUFFIX]:
-        print(f"{name}: open, not verified (the collector writes it, or recovers it when it starts)", file=out)
-    shard_numbers = {number for number, _ in files[SEALED_SUFFIX] + files[OPEN_SUFFIX]}
-    for number, name in files[INDEX_SUFFIX]:
+    for _, path in files.open:
+        print(f"{path.name}: open, not verified (the collector writes it, or recovers it when it starts)", file=out)
+    shard_numbers = {number for number, _ in files.sealed + files.open}
+    for number, path in files.indexes:
         if number not in shard_numbers:
-            problem = f"{name}: index without a shard ({shard_file_name(number, SEALED_SUFFIX)} is missing)"
+            problem = f"{path.name}: index without a shard ({shard_file_name(number, SEALED_SUFFIX)} is missing)"
             problems.append(problem)
             print(problem, file=out)
     for record_id, count in sorted(record_ids.items()):
@@ -62,9 +52,12 @@ def verify_directory(data_dir: Path, *, out: TextIO) -> bool:
             problem = f"record {record_id!r} is stored {count} times"
             problems.append(problem)
             print(problem, file=out)
+    if not (files.sealed or files.open or files.indexes):
+        problems.append(f"{data_dir} holds no shard files (shard-NNNNNN{SEALED_SUFFIX}): is it the shards folder?")
+        print(f"warning: {problems[-1]}", file=out)
     verdict = "OK" if not problems else f"FAILED ({len(problems)} problems)"
     print(
-        f"{len(files[SEALED_SUFFIX])} sealed shards, {len(files[OPEN_SUFFIX])} open; "
+        f"{len(files.sealed)} sealed shards, {len(files.open)} open; "
         f"{num_verified}/{num_records} records verified: {verdict}",
         file=out,
     )

@@ -44,6 +44,7 @@ import itertools
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -177,6 +178,15 @@ def collate(
     }
 
 
+def require_records(shards: str | Path) -> list[cf.IndexEntry]:
+    """Every index entry of a shard directory; ValueError (ShardError) if it is missing or holds none."""
+    with cf.ShardDirectory(shards) as directory:
+        entries = list(directory.iter_index())
+    if not entries:
+        raise ValueError(f"{shards} holds no sealed shard with records")
+    return entries
+
+
 class ShardDataset(torch.utils.data.IterableDataset):
     """Batches of this rank's share of a shard directory, across epochs, from batch `start_batch` on.
 
@@ -203,10 +213,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
         self.start_batch = start_batch
         self.num_epochs = num_epochs
         self.equal_per_rank = equal_per_rank
-        with cf.ShardDirectory(config.shards) as shards:
-            self.entries = list(shards.iter_index())
-        if not self.entries:
-            raise ValueError(f"{config.shards} holds no sealed shard with records")
+        self.entries = require_records(config.shards)
         expected = {"capture_layers": None if capture_layers is None else tuple(capture_layers),
                     "hidden_size": hidden_size, "model_fingerprint": model_fingerprint, "dtype": None}
         for name, value in expected.items():

@@ -76,19 +76,27 @@ class Counts:
                 "acceptance_length": acceptance_lengths(matches, torch.ones(len(matches), dtype=torch.bool))}
 
 
+def load_run(checkpoint: str | Path) -> tuple[Path, Path, dict[str, Any]]:
+    """(final/ folder, run folder, the run's config dict with its own copies of draft config and vocab)."""
+    from trainer.export import resolve_checkpoint
+    from trainer.run_folder import run_inputs
+
+    final, run_config_path = resolve_checkpoint(checkpoint)
+    if run_config_path is None:
+        raise ValueError(f"no training config.json next to {final}: eval needs the run's target, vocab and seed")
+    run_dict = json.loads(run_config_path.read_text(encoding="utf-8"))
+    return final, run_config_path.parent, run_inputs(run_config_path.parent, run_dict)
+
+
 def load_drafts(checkpoint: str | Path) -> tuple[ttt.Eagle3Objective, ttt.Eagle3Objective, dict[str, Any]]:
     """(trained objective, untrained objective with the run's initialisation, the run's config dict)."""
     from safetensors.torch import load_file
 
     from trainer.config_io import config_from_dict
     from trainer.distributed import Runtime
-    from trainer.export import resolve_checkpoint
     from trainer.train import Config, build_objective
 
-    final, run_config_path = resolve_checkpoint(checkpoint)
-    if run_config_path is None:
-        raise ValueError(f"no training config.json next to {final}: eval needs the run's target, vocab and seed")
-    run_dict = json.loads(run_config_path.read_text(encoding="utf-8"))
+    final, _, run_dict = load_run(checkpoint)
     config = config_from_dict(Config, run_dict)
     runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     untrained, _, _ = build_objective(config, runtime)
@@ -96,27 +104,6 @@ def load_drafts(checkpoint: str | Path) -> tuple[ttt.Eagle3Objective, ttt.Eagle3
     weights = load_file(final / "model.safetensors")
     trained.draft.load_state_dict({**weights, "embed_tokens.weight": trained.draft.embed_tokens.weight})
     return trained.eval(), untrained.eval(), run_dict
-
-
-def check_held_out(eval_shards: str | Path, training_shards: str | Path) -> dict[str, Any]:
-    """Refuse eval records the run trained on (same record id or same token ids); return the rule applied."""
-    from capture_format import ShardDirectory
-
-    def index(path: str | Path) -> list:
-        with ShardDirectory(path) as shards:
-            return list(shards.iter_index())
-
-    trained_on = index(training_shards)
-    trained_ids = {entry.record_id for entry in trained_on}
-    trained_sequences = {entry.ids_xxh3_64 for entry in trained_on}
-    overlap = [entry.record_id for entry in index(eval_shards)
-               if entry.record_id in trained_ids or entry.ids_xxh3_64 in trained_sequences]
-    if overlap:
-        raise ValueError(
-            f"{len(overlap)} records of {eval_shards} were in the training shards {training_shards} (first: "
-            f"{overlap[0]!r}); evaluate on held-out shards the run never read")
-    return {"training_shards": str(training_shards), "num_training_records": len(trained_on),
-            "rule": "no eval record shares a record id or its token ids with the training shards"}
 
 
 def most_frequent_token(vocab_dir: str | Path, vocab_size: int) -> int:
@@ -129,8 +116,11 @@ def most_frequent_token(vocab_dir: str | Path, vocab_size: int) -> int:
 def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | None = None,
              batch_size: int = 8, max_length: int = 2048, steps: int = MAX_CHAIN) -> dict[str, Any]:
     """Accuracy per TTT step and acceptance length by k for the draft and the two baselines."""
+    from trainer.run_folder import check_held_out
+
+    _, run_dir, run_dict = load_run(checkpoint)
+    held_out = check_held_out(shards, run_dir, run_dict)  # before any model is built
     trained, untrained, run_dict = load_drafts(checkpoint)
-    held_out = check_held_out(shards, run_dict["data"]["shards"])
     trained.config.ttt_steps = untrained.config.ttt_steps = steps
     vocab_size = trained.draft.config.vocab_size
     unigram = most_frequent_token(run_dict["vocab"], vocab_size)

@@ -120,7 +120,7 @@ def model_card(config: dict[str, Any], run_config: dict[str, Any] | None, evalua
              f"- draft vocab {config['draft_vocab_size']} of {config['vocab_size']} target tokens", ""]
     if run_config is not None:
         lines += ["## Training data", "",
-                  f"- shards: `{run_config['data']['shards']}`; {run_config['num_steps']} optimizer steps of "
+                  f"- shards: `{Path(run_config['data']['shards']).name}`; {run_config['num_steps']} optimizer steps of "
                   f"{run_config['data']['batch_size']} rows (max length {run_config['data']['max_length']})",
                   f"- TTT steps {run_config['objective']['ttt_steps']}, seed {run_config['seed']}", ""]
         vocab_meta = Path(run_config["vocab"]) / "vocab.json"
@@ -132,7 +132,7 @@ def model_card(config: dict[str, Any], run_config: dict[str, Any] | None, evalua
     if evaluation is not None:
         from trainer.evaluate import format_table
 
-        lines += ["## Offline evaluation", "", f"Held-out shards `{evaluation.get('shards')}`, "
+        lines += ["## Offline evaluation", "", f"Held-out shards `{Path(str(evaluation.get('shards'))).name}`, "
                   f"{evaluation['num_start_positions']} start positions.", "",
                   "```", format_table(evaluation), "```", ""]
     return "\n".join(lines)
@@ -148,7 +148,11 @@ def export(checkpoint: str | Path, out_dir: str | Path, eval_result: str | Path 
         raise ValueError(f"{out} already exists; export into a new folder")
     config = export_config(json.loads((final / "config.json").read_text(encoding="utf-8")))
     tensors = checked_tensors(load_file(final / "model.safetensors"), config)
-    run_config = json.loads(run_config_path.read_text(encoding="utf-8")) if run_config_path else None
+    run_config = None
+    if run_config_path is not None:  # the run's own copy of its vocab, so a moved run folder still exports
+        from trainer.run_folder import run_inputs
+
+        run_config = run_inputs(run_config_path.parent, json.loads(run_config_path.read_text(encoding="utf-8")))
     evaluation = json.loads(Path(eval_result).read_text(encoding="utf-8")) if eval_result else None
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

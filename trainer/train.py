@@ -296,6 +296,11 @@ def train(config: Config, resume: str | bool = False) -> dict[str, Any]:
     """Runs a training run, or continues one (resume=True: the newest checkpoint; a path: that checkpoint)."""
     from tqdm import tqdm
 
+    from trainer.run_folder import keep_inputs
+
+    for shards in (config.data.shards, config.eval_shards):  # a wrong folder fails before anything is written
+        if shards is not None:
+            data.require_records(shards)
     runtime = distributed.setup(config.device)
     try:
         if config.num_threads:
@@ -305,6 +310,8 @@ def train(config: Config, resume: str | bool = False) -> dict[str, Any]:
         run = start_run(config, runtime, resume)
         if runtime.is_main:
             (out_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
+            keep_inputs(out_dir, draft_config=config.draft_config, vocab=config.vocab,
+                        training_shards=config.data.shards)
         dataset = data.ShardDataset(config.data, rank=runtime.rank, world_size=runtime.world_size,
                                     start_batch=run.next_batch, **run.expected)
         batches = iter(data.make_loader(dataset, pin_memory=runtime.device.type == "cuda"))
