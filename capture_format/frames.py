@@ -59,6 +59,7 @@ __all__ = [
     "decode_frame",
     "encode_frame",
     "inspect_frame",
+    "inspect_frame_header",
     "parse_frame_prefix",
     "read_frame_prefix",
 ]
@@ -213,6 +214,14 @@ def _verify_checksum(data: memoryview, expected: str, tensor: TensorInfo, what: 
     actual = xxhash.xxh3_64_hexdigest(data)
     if actual != expected:
         raise ChecksumError(f"tensor {tensor.name!r}: {what} bytes hash to {actual}; the header says {expected}")
+
+
+def inspect_frame_header(buf: bytes | bytearray | memoryview) -> FrameInfo:
+    """Checks a whole frame's prefix, lengths, header checksum and header, touching no tensor byte.
+
+    When this passes, the frame's length is trustworthy even if its payload is damaged: recovery
+    uses it to step over one bad frame and keep the good ones behind it."""
+    return _parse_frame(memoryview(buf).cast("B"))
 
 
 def inspect_frame(buf: bytes | bytearray | memoryview) -> FrameInfo:

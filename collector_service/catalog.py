@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from capture_format import RecoveryReport, ShardDirectory, recover_open_shard
-from capture_format.shard_index import OPEN_SUFFIX, SEALED_SUFFIX, parse_shard_file_name, shard_file_name
+from capture_format.shard_index import OPEN_SUFFIX, SEALED_SUFFIX, list_shard_files, parse_shard_file_name, shard_file_name
 
 __all__ = ["Catalog", "RecordLocation", "Totals", "open_catalog", "shard_name"]
 
@@ -72,16 +72,15 @@ def open_catalog(data_dir: Path) -> Catalog:
     """Recovers open shards in data_dir, then indexes every sealed shard (see the module docstring)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     catalog = Catalog()
-    for name in sorted(p.name for p in data_dir.iterdir()):
-        parsed = parse_shard_file_name(name)
-        if parsed is not None and parsed[1] == OPEN_SUFFIX:
-            report = recover_open_shard(data_dir / name)
-            log.warning(
-                "recovered %s: kept %d records (%d bytes), cut %d bytes%s",
-                name, report.num_records, report.bytes_kept, report.bytes_cut,
-                f" ({report.stop_reason})" if report.stop_reason else "",
-            )
-            catalog.recoveries.append(report)
+    for _, path in list_shard_files(data_dir).open:
+        report = recover_open_shard(path)
+        log.warning(
+            "recovered %s: kept %d records (%d bytes), cut %d bytes%s%s",
+            path.name, report.num_records, report.bytes_kept, report.bytes_cut,
+            f" ({report.stop_reason})" if report.stop_reason else "",
+            "".join(f"; dropped {reason}" for reason in report.dropped),
+        )
+        catalog.recoveries.append(report)
     with ShardDirectory(data_dir) as shards:
         for shard in shards.shards:
             number, _ = parse_shard_file_name(shard.shard_path.name)
