@@ -38,6 +38,8 @@ INDEX_FORMAT_VERSION = 1
 SEALED_SUFFIX = ".etap"
 OPEN_SUFFIX = ".etap.open"
 INDEX_SUFFIX = ".index.json"
+QUARANTINE_DIR_NAME = "quarantine"
+"""Sub-folder where the collector moves damaged shards at start-up; their numbers are never reused."""
 _FILE_NAME = re.compile(r"shard-(\d{6,})(\.etap|\.etap\.open|\.index\.json)", re.ASCII)
 _CHECKSUM = re.compile(r"[0-9a-f]{16}", re.ASCII)
 _RECORD_FIELDS = ("record_id", "sample_id", "offset", "length", "num_tokens", "header_xxh3_64", "ids_xxh3_64")

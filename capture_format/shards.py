@@ -33,6 +33,7 @@ from capture_format.frames import (
 from capture_format.records import CaptureRecord
 from capture_format.shard_index import (
     OPEN_SUFFIX,
+    QUARANTINE_DIR_NAME,
     SEALED_SUFFIX,
     ShardIndex,
     build_index,
@@ -44,12 +45,16 @@ from capture_format.shard_index import (
     write_index,
 )
 
-__all__ = ["RecoveryReport", "ShardWriter", "recover_open_shard", "write_shards"]
+__all__ = ["RecoveryReport", "ShardWriter", "recover_open_shard", "repair_shard", "write_shards"]
 
 
 def _next_shard_number(directory: Path) -> int:
-    files = list_shard_files(directory)
-    return max((number for number, _ in files.sealed + files.open + files.indexes), default=0) + 1
+    numbers = []
+    for folder in (Path(directory), Path(directory) / QUARANTINE_DIR_NAME):  # a quarantined number stays taken
+        if folder.is_dir():
+            files = list_shard_files(folder)
+            numbers += [number for number, _ in files.sealed + files.open + files.indexes]
+    return max(numbers, default=0) + 1
 
 
 def _lock(fd: int, path: Path) -> None:
@@ -224,11 +229,11 @@ def _scan_frames(fd: int, file_nbytes: int) -> tuple[list[tuple[int, FrameInfo]]
     return frames, kept_end, None, dropped
 
 
-def _compact(open_path: Path, fd: int, frames: list[tuple[int, FrameInfo]]) -> tuple[int, list[tuple[int, FrameInfo]]]:
+def _compact(shard_path: Path, fd: int, frames: list[tuple[int, FrameInfo]]) -> tuple[int, list[tuple[int, FrameInfo]]]:
     """Rewrites the open shard with only `frames`, back to back (an index must tile its shard): a copy is
     written and synced beside it, then renamed over it, so a crash leaves the old file or the new one.
     Returns a locked descriptor of the new file and the frames at their new offsets."""
-    temp_path = open_path.with_name(f".{open_path.name}.compacting")
+    temp_path = shard_path.with_name(f".{shard_path.name}.compacting")
     new_fd = os.open(temp_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     moved: list[tuple[int, FrameInfo]] = []
     try:
@@ -239,8 +244,8 @@ def _compact(open_path: Path, fd: int, frames: list[tuple[int, FrameInfo]]) -> t
             moved.append((offset, info))
             offset += info.frame_nbytes
         os.fsync(new_fd)
-        os.replace(temp_path, open_path)
-        fsync_directory(open_path.parent)
+        os.replace(temp_path, shard_path)
+        fsync_directory(shard_path.parent)
     except BaseException:
         os.close(new_fd)
         temp_path.unlink(missing_ok=True)
@@ -287,3 +292,34 @@ def recover_open_shard(path: Path | str) -> RecoveryReport:
         stop_reason=stop_reason,
         dropped=tuple(dropped),
     )
+
+
+def repair_shard(path: Path | str) -> RecoveryReport:
+    """Rebuilds a sealed shard's index from the shard itself, keeping every frame that passes the ingest
+    checks (a frame with a damaged payload behind an intact header is dropped, as in recovery; the file
+    is cut at the first frame whose header is damaged). The shard keeps its name; no frame is rewritten
+    unless one is dropped. For a shard whose index is lost, damaged, or disagrees with the file."""
+    shard_path = Path(path)
+    parsed = parse_shard_file_name(shard_path.name)
+    if parsed is None or parsed[1] != SEALED_SUFFIX:
+        raise ShardError(f"{describe(str(shard_path))} is not a sealed shard name like shard-000001{SEALED_SUFFIX}")
+    fd = os.open(shard_path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        _lock(fd, shard_path)
+        file_nbytes = os.fstat(fd).st_size
+        frames, kept_nbytes, stop_reason, dropped = _scan_frames(fd, file_nbytes)
+        if dropped and frames:
+            new_fd, frames = _compact(shard_path, fd, frames)
+            os.close(fd)
+            fd = new_fd
+            kept_nbytes = sum(info.frame_nbytes for _, info in frames)
+        elif kept_nbytes < file_nbytes:
+            os.ftruncate(fd, kept_nbytes)
+        os.fsync(fd)
+        write_index(build_index(shard_path, kept_nbytes, frames), index_path_for(shard_path))
+        fsync_directory(shard_path.parent)
+    finally:
+        os.close(fd)
+    return RecoveryReport(open_path=shard_path, sealed_path=shard_path, num_records=len(frames),
+                          bytes_kept=kept_nbytes, bytes_cut=file_nbytes - kept_nbytes, stop_reason=stop_reason,
+                          dropped=tuple(dropped))

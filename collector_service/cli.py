@@ -105,6 +105,12 @@ def _shards_verify(args: argparse.Namespace) -> int:
     return 0 if verify_directory(Path(args.data_dir), out=sys.stdout) else 1
 
 
+def _shards_repair(args: argparse.Namespace) -> int:
+    from collector_service.shard_tools import repair_directory
+
+    return 0 if repair_directory(Path(args.data_dir), out=sys.stdout) else 1
+
+
 def _shards_stats(args: argparse.Namespace) -> int:
     from collector_service.shard_tools import print_stats
 
@@ -144,6 +150,13 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     stats = shard_commands.add_parser("stats", help="print shards, records, tokens, bytes and compression ratio")
     stats.add_argument("data_dir")
     stats.set_defaults(run=_shards_stats)
+    repair = shard_commands.add_parser(
+        "repair", help="rebuild the index of each damaged shard (here and in quarantine/) from the shard itself",
+        description="For each sealed shard that fails verify (or sits in DIR/quarantine), rebuild its index from "
+        "the shard, keeping every record that passes the ingest checks; repaired shards from quarantine/ move "
+        "back. Stop the collector first.")
+    repair.add_argument("data_dir")
+    repair.set_defaults(run=_shards_repair)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,6 +63,7 @@ class RecordStore:
         self._locations = catalog.locations
         self.totals = catalog.totals
         self.recoveries = catalog.recoveries
+        self.quarantined = catalog.quarantined
         self.num_duplicates_on_disk = catalog.num_duplicates_on_disk
         self._in_flight: dict[str, asyncio.Future[RecordLocation]] = {}
         self._shard_states: dict[int, str] = {}
@@ -225,6 +226,8 @@ class RecordStore:
                 {"shard": report.open_path.name, "num_records": report.num_records, "bytes_cut": report.bytes_cut}
                 for report in self.recoveries
             ],
+            "num_quarantined_shards": len(self.quarantined),
+            "quarantined_shards": list(self.quarantined),
             "uptime_s": round(time.monotonic() - self.started_at, 3),
         }
 

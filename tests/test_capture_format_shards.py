@@ -165,7 +165,7 @@ def test_index_that_does_not_match_the_frame_is_detected(tmp_path: Path) -> None
     data["records"][1]["record_id"] = "rec-9999"
     index_path.write_text(json.dumps(data))
     with ShardDirectory(tmp_path) as shards:
-        with pytest.raises(FrameError, match="frame holds record 'rec-0001'; the index says 'rec-9999'"):
+        with pytest.raises(FrameError, match="frame has record_id 'rec-0001'; the index says 'rec-9999'"):
             shards.read_record(list(shards.iter_index())[1])
 
 

@@ -178,9 +178,18 @@ def collate(
     }
 
 
+def open_shards(shards: str | Path) -> cf.ShardDirectory:
+    """The readable shards of a directory; damaged ones are skipped, named and counted in a warning."""
+    directory = cf.ShardDirectory(shards, skip_damaged=True)
+    if directory.damaged:
+        log.warning("skipping %d damaged shard(s) of %s (`eagle-tap shards repair` rebuilds an index): %s",
+                    len(directory.damaged), shards, "; ".join(damaged.reason for damaged in directory.damaged))
+    return directory
+
+
 def require_records(shards: str | Path) -> list[cf.IndexEntry]:
-    """Every index entry of a shard directory; ValueError (ShardError) if it is missing or holds none."""
-    with cf.ShardDirectory(shards) as directory:
+    """Every readable index entry of a shard directory; ValueError (ShardError) if it is missing or holds none."""
+    with open_shards(shards) as directory:
         entries = list(directory.iter_index())
     if not entries:
         raise ValueError(f"{shards} holds no sealed shard with records")
@@ -246,7 +255,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         worker = torch.utils.data.get_worker_info()
         worker_id, num_workers = (0, 1) if worker is None else (worker.id, worker.num_workers)
-        with cf.ShardDirectory(self.config.shards) as shards:
+        with cf.ShardDirectory(self.config.shards, skip_damaged=True) as shards:  # warned about when built
             for number, epoch, rows in self.batch_indices():
                 if number % num_workers == worker_id:
                     yield self._read_batch(shards, number, epoch, rows)

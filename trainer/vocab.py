@@ -79,7 +79,10 @@ def count_shard_tokens(
     counts = np.zeros(vocab_size, dtype=np.int64)
     problems: list[str] = []
     num_records = 0
-    with ShardDirectory(shard_dir) as shards:
+    with ShardDirectory(shard_dir, skip_damaged=True) as shards:
+        for damaged in shards.damaged:
+            warnings.warn(f"skipping a damaged shard (`eagle-tap shards repair` rebuilds its index): {damaged.reason}",
+                          stacklevel=2)
         if shards.num_records == 0:
             raise ValueError(f"{shard_dir} holds no sealed shard with records")
         fingerprints = {entry.model_fingerprint for entry in shards.iter_index()}
