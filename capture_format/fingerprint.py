@@ -59,3 +59,12 @@ def model_fingerprint(model_dir: str | Path) -> str:
             digest.update(b"\0" + name.encode() + b"\0" + path.read_bytes())
     architecture = (config.get("architectures") or ["unknown"])[0]
     return f"{architecture}:{digest.hexdigest()[:16]}"
+
+
+def model_fingerprint_or_marker(model_path: str) -> str:
+    """The model fingerprint, or a marker naming why it could not be computed (a hub id, say): what the
+    plugin stamps on records when the model folder is not readable here."""
+    try:
+        return model_fingerprint(model_path)
+    except ValueError:
+        return f"unfingerprinted:{Path(model_path).name or model_path}"[:256]

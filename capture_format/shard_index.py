@@ -29,6 +29,7 @@ from typing import Any
 
 from capture_format import records
 from capture_format.errors import CaptureFormatError, ShardError, check_json_type, describe
+from capture_format.files import write_file_atomically
 from capture_format.frame_header import FrameInfo
 
 __all__ = ["INDEX_FORMAT_VERSION", "IndexEntry", "ShardFiles", "ShardIndex", "build_index", "list_shard_files",
@@ -214,18 +215,7 @@ def _format_index(data: dict[str, Any]) -> str:
 
 def write_index(index: ShardIndex, index_path: Path) -> None:
     """Writes the index atomically: a reader sees the previous file or the whole new one."""
-    temporary_path = index_path.with_name(index_path.name + ".tmp")
-    data = _format_index(index.to_json()).encode("utf-8")
-    fd = os.open(temporary_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temporary_path, index_path)
-    fsync_directory(index_path.parent)
+    write_file_atomically(index_path, _format_index(index.to_json()))
 
 
 def _parse_entry(row: object, shared: dict[str, Any], shard_path: Path) -> IndexEntry:

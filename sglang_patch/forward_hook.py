@@ -14,8 +14,8 @@ import logging
 from typing import Any
 
 from capture_format import capture_layers_from_sglang_ids
+from capture_format.fingerprint import model_fingerprint_or_marker
 from sglang_patch.capture import CaptureAssembler
-from sglang_patch.plugin import model_identity_fields
 from sglang_patch.sender import ModelIdentity, Sender
 from sglang_patch.settings import CaptureSettings
 from sglang_patch.spool import Spool
@@ -91,7 +91,7 @@ class CaptureHook:
         architecture = (getattr(worker.model_config.hf_config, "architectures", None) or ["?"])[0]
         capture_layers = capture_layers_from_sglang_ids(architecture, layer_ids, hf_config.num_hidden_layers)
         model = ModelIdentity(capture_layers=tuple(capture_layers), hidden_size=int(hf_config.hidden_size),
-                              model_fingerprint=model_identity_fields(worker.model_config.model_path))
+                              model_fingerprint=model_fingerprint_or_marker(worker.model_config.model_path))
         dp_rank = _parallel_rank("attn_dp_rank")
         spool = Spool(self._settings.spool_dir / f"dp{dp_rank}", self._settings.spool_max_bytes)
         self.sender = Sender(settings=self._settings, model=model, stats=self.stats, spool=spool,

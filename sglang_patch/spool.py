@@ -8,8 +8,9 @@ and sent first.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from capture_format.files import write_file_atomically
 
 
 class Spool:
@@ -33,10 +34,7 @@ class Spool:
         if self.num_bytes + len(frame) > self.max_bytes:
             return False
         path = self.directory / f"{self._next_sequence:016d}.frame"
-        temp = self.directory / f".{path.name}.tmp"
-        with open(temp, "wb") as file:
-            file.write(frame)
-        os.replace(temp, path)
+        write_file_atomically(path, frame, durable=False)  # a crash may lose a spooled frame, never half of one
         self._next_sequence += 1
         self._paths.append(path)
         self.num_bytes += len(frame)

@@ -78,7 +78,7 @@ def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from trainer.evaluate import evaluate, format_table, write_result
-    from trainer.export import resolve_checkpoint
+    from trainer.run_folder import resolve_checkpoint
 
     result = evaluate(args.checkpoint, args.shards, max_records=args.max_records, batch_size=args.batch_size,
                       max_length=args.max_length)

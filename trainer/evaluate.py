@@ -78,8 +78,7 @@ class Counts:
 
 def load_run(checkpoint: str | Path) -> tuple[Path, Path, dict[str, Any]]:
     """(final/ folder, run folder, the run's config dict with its own copies of draft config and vocab)."""
-    from trainer.export import resolve_checkpoint
-    from trainer.run_folder import run_inputs
+    from trainer.run_folder import resolve_checkpoint, run_inputs
 
     final, run_config_path = resolve_checkpoint(checkpoint)
     if run_config_path is None:

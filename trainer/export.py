@@ -25,20 +25,9 @@ from typing import Any
 
 import torch
 
+from trainer.run_folder import resolve_checkpoint, run_inputs
+
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_checkpoint(checkpoint: str | Path) -> tuple[Path, Path | None]:
-    """(folder with model.safetensors + draft config.json, the training run's config.json or None).
-
-    Accepts a run's out_dir (uses out_dir/final) or its final/ folder itself."""
-    path = Path(checkpoint)
-    final = path / "final" if (path / "final" / "model.safetensors").is_file() else path
-    if not (final / "model.safetensors").is_file() or not (final / "config.json").is_file():
-        raise ValueError(f"{checkpoint} holds no trained draft: expected model.safetensors and config.json in it "
-                         f"or in {path / 'final'} (what `eagle-tap train` writes at the end of a run)")
-    run_config = final.parent / "config.json"
-    return final, run_config if run_config.is_file() else None
 
 
 def required_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -150,8 +139,6 @@ def export(checkpoint: str | Path, out_dir: str | Path, eval_result: str | Path 
     tensors = checked_tensors(load_file(final / "model.safetensors"), config)
     run_config = None
     if run_config_path is not None:  # the run's own copy of its vocab, so a moved run folder still exports
-        from trainer.run_folder import run_inputs
-
         run_config = run_inputs(run_config_path.parent, json.loads(run_config_path.read_text(encoding="utf-8")))
     evaluation = json.loads(Path(eval_result).read_text(encoding="utf-8")) if eval_result else None
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,11 +16,24 @@ from typing import Any
 
 from capture_format import ShardDirectory
 
-__all__ = ["TRAINING_RECORDS_NAME", "check_held_out", "keep_inputs", "run_inputs"]
+__all__ = ["TRAINING_RECORDS_NAME", "check_held_out", "keep_inputs", "resolve_checkpoint", "run_inputs"]
 
 DRAFT_CONFIG_NAME = "draft_config.json"
 VOCAB_DIR_NAME = "vocab"
 TRAINING_RECORDS_NAME = "training_records.json"
+
+
+def resolve_checkpoint(checkpoint: str | Path) -> tuple[Path, Path | None]:
+    """(folder with model.safetensors + draft config.json, the training run's config.json or None).
+
+    Accepts a run's out_dir (uses out_dir/final) or its final/ folder itself."""
+    path = Path(checkpoint)
+    final = path / "final" if (path / "final" / "model.safetensors").is_file() else path
+    if not (final / "model.safetensors").is_file() or not (final / "config.json").is_file():
+        raise ValueError(f"{checkpoint} holds no trained draft: expected model.safetensors and config.json in it "
+                         f"or in {path / 'final'} (what `eagle-tap train` writes at the end of a run)")
+    run_config = final.parent / "config.json"
+    return final, run_config if run_config.is_file() else None
 
 
 def keep_inputs(out_dir: Path, *, draft_config: str, vocab: str, training_shards: str) -> None:
