@@ -126,7 +126,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "EAGLE_TAP_COLLECTOR_* environment variables; prefer EAGLE_TAP_COLLECTOR_TOKEN or --token-file "
         "to --token, which other users can see in the process list.",
     )
-    collect.add_argument("--data-dir", required=True, help="directory of the shards (created if missing)")
+    collect.add_argument("--shards", "--data-dir", dest="data_dir", required=True,
+                         help="folder of the shards (created if missing), as every command names it; "
+                         "--data-dir is the old name")
     collect.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     collect.add_argument("--port", type=int, default=None, help="port (default 8470; 0: a free one, printed)")
     collect.add_argument("--token", default=None, help="bearer token required on /v1/*")

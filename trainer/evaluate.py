@@ -43,7 +43,7 @@ def acceptance_lengths(matches: torch.Tensor, counted: torch.Tensor) -> list[flo
 
 def shifted_target_argmax(target_argmax: torch.Tensor, doc_ids: torch.Tensor, steps: int) -> torch.Tensor:
     """(B, S, J): the target's argmax at row r + j of the same record, -1 past it."""
-    same_record = [ttt.shift_rows(doc_ids, j, -2) == doc_ids for j in range(steps)]
+    same_record = [ttt.same_record_after(doc_ids, j) for j in range(steps)]
     return torch.stack([torch.where(same, ttt.shift_rows(target_argmax, j, -1), -1)
                         for j, same in enumerate(same_record)], dim=-1)
 
@@ -145,7 +145,7 @@ def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | N
         unigram_hits = (wanted == unigram)  # (N, J)
         counts["unigram"].matches.append(unigram_hits)
         for step in range(steps):  # the unigram draft's TTT accuracy: share of counted rows of step i it hits
-            in_record = ttt.shift_rows(batch["doc_ids"], step, -2) == batch["doc_ids"]  # (B, S)
+            in_record = ttt.same_record_after(batch["doc_ids"], step)  # (B, S)
             rows = ttt.shift_rows(counted, step, False) & in_record  # (B, S)
             counts["unigram"].correct[step] += (rows & (ttt.shift_rows(target_argmax, step, -1) == unigram)).sum()
             counts["unigram"].total[step] += rows.sum()
