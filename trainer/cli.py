@@ -80,8 +80,10 @@ def _eval(args: argparse.Namespace) -> int:
     from trainer.evaluate import evaluate, format_table, write_result
     from trainer.run_folder import resolve_checkpoint
 
+    import sys
+
     result = evaluate(args.checkpoint, args.shards, max_records=args.max_records, batch_size=args.batch_size,
-                      max_length=args.max_length)
+                      max_length=args.max_length, progress_bar=sys.stderr.isatty())
     out = Path(args.out) if args.out else resolve_checkpoint(args.checkpoint)[0].parent / "eval"
     path = write_result(result, out)
     print(format_table(result))

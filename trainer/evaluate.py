@@ -113,8 +113,11 @@ def most_frequent_token(vocab_dir: str | Path, vocab_size: int) -> int:
 
 @torch.no_grad()
 def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | None = None,
-             batch_size: int = 8, max_length: int = 2048, steps: int = MAX_CHAIN) -> dict[str, Any]:
+             batch_size: int = 8, max_length: int = 2048, steps: int = MAX_CHAIN,
+             progress_bar: bool = False) -> dict[str, Any]:
     """Accuracy per TTT step and acceptance length by k for the draft and the two baselines."""
+    from tqdm import tqdm
+
     from trainer.run_folder import check_held_out
 
     _, run_dir, run_dict = load_run(checkpoint)
@@ -130,10 +133,13 @@ def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | N
                                             shuffle=False), num_epochs=1, equal_per_rank=False, **expected)
     counts = {"draft": Counts(steps), "untrained": Counts(steps), "unigram": Counts(steps)}
     num_records = 0
+    wanted_records = len(dataset.entries) if max_records is None else min(max_records, len(dataset.entries))
+    progress = tqdm(total=wanted_records, desc="eval", unit="record", dynamic_ncols=True, disable=not progress_bar)
     for batch in data.make_loader(dataset):
         if max_records is not None and num_records >= max_records:
             break
         num_records += len(batch["record_ids"])
+        progress.update(len(batch["record_ids"]))
         counted = batch["loss_mask"] & (batch["doc_ids"] >= 0)  # (B, S): start rows
         target_argmax = (batch["final"].float() @ trained.target_lm_head.float().T).argmax(-1)  # (B, S)
         wanted = shifted_target_argmax(target_argmax, batch["doc_ids"], steps)[counted]  # (N, J)
@@ -149,6 +155,7 @@ def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | N
             rows = ttt.shift_rows(counted, step, False) & in_record  # (B, S)
             counts["unigram"].correct[step] += (rows & (ttt.shift_rows(target_argmax, step, -1) == unigram)).sum()
             counts["unigram"].total[step] += rows.sum()
+    progress.close()
     if num_records == 0:
         raise ValueError(f"{shards} holds no record to evaluate")
     drafts = {name: count.result() for name, count in counts.items()}
@@ -179,7 +186,10 @@ def plot_acceptance(result: dict[str, Any], path: Path) -> None:
     figure, axes = plt.subplots(figsize=(6, 4))
     for name, values in result["drafts"].items():
         axes.plot(result["chain_lengths"], values["acceptance_length"], marker="o", label=name)
-    axes.set(xlabel="draft chain length k", ylabel="simulated acceptance length", title="Greedy acceptance (offline)")
+    axes.set(xlabel="draft chain length k (tokens proposed per verify)",
+             ylabel="simulated acceptance length (tokens per verify)",
+             title=f"Greedy acceptance (offline): {result['num_records']:,} records, "
+                   f"{result['num_start_positions']:,} start positions")
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
