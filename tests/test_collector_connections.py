@@ -41,3 +41,58 @@ def test_stalled_headers_are_closed_and_big_headers_refused(tmp_path: Path) -> N
             assert response.status == 200  # everyone else is still served
     finally:
         collector.stop()
+
+
+def test_healthz_reports_a_folder_that_stopped_taking_writes() -> None:
+    """The collector runs as `nobody` (root writes anywhere) on a folder that turns read-only after start."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    import httpx
+
+    from eagle_tap.sglang_server import free_port
+    from test_collector_support import make_frame
+
+    as_root = os.geteuid() == 0
+    assert not as_root or shutil.which("setpriv"), "as root this test needs setpriv (util-linux)"
+    top = Path(tempfile.mkdtemp(prefix="eagle-tap-healthz-"))
+    top.chmod(0o755)
+    data_dir = top / "captures"
+    data_dir.mkdir()
+    if as_root:
+        os.chown(data_dir, 65534, 65534)
+    port = free_port()
+    prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if as_root else []
+    process = subprocess.Popen([*prefix, sys.executable, "-m", "collector_service", "collect", "--shards",
+                                str(data_dir), "--port", str(port), "--log-level", "warning"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and process.poll() is None, "the collector did not start"
+                time.sleep(0.2)
+        data_dir.chmod(0o555)
+        headers = {"Content-Type": "application/octet-stream"}
+        refused = httpx.post(f"{url}/v1/records", content=make_frame("read-only-1"), headers=headers, timeout=30)
+        assert refused.status_code == 503 and refused.json()["error"] == "storage_failed", refused.text
+        health = httpx.get(f"{url}/healthz", timeout=5)
+        assert health.status_code == 503 and health.json()["status"] == "failing", health.text
+        assert "Permission denied" in health.json()["detail"]
+
+        data_dir.chmod(0o755)
+        stored = httpx.post(f"{url}/v1/records", content=make_frame("writable-again"), headers=headers, timeout=30)
+        assert stored.status_code == 201, stored.text
+        assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        data_dir.chmod(0o755)
+        shutil.rmtree(top, ignore_errors=True)
