@@ -253,6 +253,46 @@ def _compact(shard_path: Path, fd: int, frames: list[tuple[int, FrameInfo]]) -> 
     return new_fd, moved
 
 
+@dataclass(slots=True)
+class _Kept:
+    fd: int
+    """A locked descriptor of the shard as it is now (a new file after compaction)."""
+    frames: list[tuple[int, FrameInfo]]
+    kept_nbytes: int
+    file_nbytes: int
+    stop_reason: str | None
+    dropped: list[str]
+
+    def report(self, shard_path: Path, sealed_path: Path | None) -> RecoveryReport:
+        return RecoveryReport(open_path=shard_path, sealed_path=sealed_path, num_records=len(self.frames),
+                              bytes_kept=self.kept_nbytes, bytes_cut=self.file_nbytes - self.kept_nbytes,
+                              stop_reason=self.stop_reason, dropped=tuple(self.dropped))
+
+
+def _keep_valid_frames(shard_path: Path, suffix: str) -> _Kept:
+    """Locks the shard, scans it and leaves only its valid frames in it (compacted or cut); see recovery."""
+    parsed = parse_shard_file_name(shard_path.name)
+    if parsed is None or parsed[1] != suffix:
+        kind = "an open" if suffix == OPEN_SUFFIX else "a sealed"
+        raise ShardError(f"{describe(str(shard_path))} is not {kind} shard name like shard-000001{suffix}")
+    fd = os.open(shard_path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        _lock(fd, shard_path)
+        file_nbytes = os.fstat(fd).st_size
+        frames, kept_nbytes, stop_reason, dropped = _scan_frames(fd, file_nbytes)
+        if dropped and frames:  # keep the good frames behind the dropped ones, back to back
+            new_fd, frames = _compact(shard_path, fd, frames)
+            os.close(fd)
+            fd = new_fd
+            kept_nbytes = sum(info.frame_nbytes for _, info in frames)
+        elif kept_nbytes < file_nbytes:
+            os.ftruncate(fd, kept_nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return _Kept(fd, frames, kept_nbytes, file_nbytes, stop_reason, dropped)
+
+
 def recover_open_shard(path: Path | str) -> RecoveryReport:
     """Keeps the complete, valid frames of an open shard, cuts the rest and seals it.
 
@@ -260,38 +300,17 @@ def recover_open_shard(path: Path | str) -> RecoveryReport:
     is left out of the index and the scan goes on behind it. An open shard with no valid frame is removed.
     """
     open_path = Path(path)
-    parsed = parse_shard_file_name(open_path.name)
-    if parsed is None or parsed[1] != OPEN_SUFFIX:
-        raise ShardError(f"{describe(str(open_path))} is not an open shard name like shard-000001{OPEN_SUFFIX}")
-    fd = os.open(open_path, os.O_RDWR | os.O_CLOEXEC)
+    kept = _keep_valid_frames(open_path, OPEN_SUFFIX)
     try:
-        _lock(fd, open_path)
-        file_nbytes = os.fstat(fd).st_size
-        frames, kept_nbytes, stop_reason, dropped = _scan_frames(fd, file_nbytes)
-        if dropped and frames:  # keep the good frames behind the dropped ones, back to back
-            new_fd, frames = _compact(open_path, fd, frames)
-            os.close(fd)
-            fd = new_fd
-            kept_nbytes = sum(info.frame_nbytes for _, info in frames)
-        elif kept_nbytes < file_nbytes:
-            os.ftruncate(fd, kept_nbytes)
-        if frames:
-            sealed_path = _seal(open_path, fd, frames, kept_nbytes).shard_path
+        if kept.frames:
+            sealed_path = _seal(open_path, kept.fd, kept.frames, kept.kept_nbytes).shard_path
         else:
             sealed_path = None
             os.unlink(open_path)
             fsync_directory(open_path.parent)
     finally:
-        os.close(fd)
-    return RecoveryReport(
-        open_path=open_path,
-        sealed_path=sealed_path,
-        num_records=len(frames),
-        bytes_kept=kept_nbytes,
-        bytes_cut=file_nbytes - kept_nbytes,
-        stop_reason=stop_reason,
-        dropped=tuple(dropped),
-    )
+        os.close(kept.fd)
+    return kept.report(open_path, sealed_path)
 
 
 def repair_shard(path: Path | str) -> RecoveryReport:
@@ -300,26 +319,11 @@ def repair_shard(path: Path | str) -> RecoveryReport:
     is cut at the first frame whose header is damaged). The shard keeps its name; no frame is rewritten
     unless one is dropped. For a shard whose index is lost, damaged, or disagrees with the file."""
     shard_path = Path(path)
-    parsed = parse_shard_file_name(shard_path.name)
-    if parsed is None or parsed[1] != SEALED_SUFFIX:
-        raise ShardError(f"{describe(str(shard_path))} is not a sealed shard name like shard-000001{SEALED_SUFFIX}")
-    fd = os.open(shard_path, os.O_RDWR | os.O_CLOEXEC)
+    kept = _keep_valid_frames(shard_path, SEALED_SUFFIX)
     try:
-        _lock(fd, shard_path)
-        file_nbytes = os.fstat(fd).st_size
-        frames, kept_nbytes, stop_reason, dropped = _scan_frames(fd, file_nbytes)
-        if dropped and frames:
-            new_fd, frames = _compact(shard_path, fd, frames)
-            os.close(fd)
-            fd = new_fd
-            kept_nbytes = sum(info.frame_nbytes for _, info in frames)
-        elif kept_nbytes < file_nbytes:
-            os.ftruncate(fd, kept_nbytes)
-        os.fsync(fd)
-        write_index(build_index(shard_path, kept_nbytes, frames), index_path_for(shard_path))
+        os.fsync(kept.fd)
+        write_index(build_index(shard_path, kept.kept_nbytes, kept.frames), index_path_for(shard_path))
         fsync_directory(shard_path.parent)
     finally:
-        os.close(fd)
-    return RecoveryReport(open_path=shard_path, sealed_path=shard_path, num_records=len(frames),
-                          bytes_kept=kept_nbytes, bytes_cut=file_nbytes - kept_nbytes, stop_reason=stop_reason,
-                          dropped=tuple(dropped))
+        os.close(kept.fd)
+    return kept.report(shard_path, shard_path)
