@@ -1,6 +1,7 @@
 """Subcommands of the collector: `collect` (serve) and `shards verify|stats` (inspect a data dir).
 
-Imports nothing heavy at module level: FastAPI and uvicorn load only when `collect` runs.
+Imports nothing heavy at module level: FastAPI and uvicorn load only when `collect` runs (building
+the parser reads the settings model, which needs pydantic only).
 `python -m collector_service ARGS` is the same as `eagle-tap ARGS` for these subcommands.
 """
 
@@ -16,25 +17,37 @@ from pathlib import Path
 __all__ = ["add_commands", "main"]
 
 
+FLAG_SETTINGS = ("host", "port", "token", "durability", "max_body_bytes", "seal_after_bytes", "seal_after_s",
+                 "min_free_bytes")
+"""CollectorSettings fields that `collect` also takes as flags (--max-body-bytes, ...): each flag's type,
+choices and help come from the field itself, so a setting is described once, in settings.py."""
+
+
+def _add_setting_flags(collect: argparse.ArgumentParser) -> None:
+    import typing
+
+    from collector_service.settings import CollectorSettings
+
+    for name in FLAG_SETTINGS:
+        field = CollectorSettings.model_fields[name]
+        options: dict[str, object] = {"default": None, "help": (field.description or "").split("\n")[0]}
+        kind = field.annotation
+        if typing.get_origin(kind) is typing.Literal:
+            options["choices"] = typing.get_args(kind)
+        elif kind in (int, float):
+            options["type"] = kind
+        options["help"] += f" (default {field.default})" if name != "token" else ""
+        collect.add_argument(f"--{name.replace('_', '-')}", **options)
+
+
 def _settings_overrides(args: argparse.Namespace) -> dict[str, object]:
     """Flags given on the command line; everything else comes from EAGLE_TAP_COLLECTOR_* or defaults."""
-    token = args.token
+    given = {name: getattr(args, name) for name in ("data_dir", *FLAG_SETTINGS)}
     if args.token_file is not None:
         try:
-            token = Path(args.token_file).read_text().strip()
+            given["token"] = Path(args.token_file).read_text().strip()
         except OSError as err:
             raise ValueError(f"--token-file {args.token_file}: {err.strerror or err}") from None
-    given = {
-        "data_dir": args.data_dir,
-        "host": args.host,
-        "port": args.port,
-        "token": token,
-        "durability": args.durability,
-        "max_body_bytes": args.max_body_bytes,
-        "seal_after_bytes": args.seal_after_bytes,
-        "seal_after_s": args.seal_after_s,
-        "min_free_bytes": args.min_free_bytes,
-    }
     return {name: value for name, value in given.items() if value is not None}
 
 
@@ -129,17 +142,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     collect.add_argument("--shards", "--data-dir", dest="data_dir", required=True,
                          help="folder of the shards (created if missing), as every command names it; "
                          "--data-dir is the old name")
-    collect.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
-    collect.add_argument("--port", type=int, default=None, help="port (default 8470; 0: a free one, printed)")
-    collect.add_argument("--token", default=None, help="bearer token required on /v1/*")
+    _add_setting_flags(collect)
     collect.add_argument("--token-file", default=None, help="file holding the bearer token")
-    collect.add_argument("--durability", choices=("fsync", "none"), default=None,
-                         help="fsync (default): acknowledge after the group commit's sync; none: after the write")
-    collect.add_argument("--max-body-bytes", type=int, default=None, help="largest frame accepted")
-    collect.add_argument("--seal-after-bytes", type=int, default=None, help="seal a shard at this size")
-    collect.add_argument("--seal-after-s", type=float, default=None,
-                         help="seal a shard this long after its first record")
-    collect.add_argument("--min-free-bytes", type=int, default=None, help="refuse ingest (507) below this free space")
     collect.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     collect.add_argument("--access-log", action="store_true", help="log every request (costs CPU at high rates)")
     collect.set_defaults(run=_collect)
