@@ -49,8 +49,8 @@ from capture_format.records import (
     spans_from_mask,
 )
 from capture_format.shard_index import INDEX_FORMAT_VERSION, IndexEntry, ShardIndex, load_index
-from capture_format.shard_reader import ShardDirectory, VerifyReport, verify_shard
-from capture_format.shards import RecoveryReport, ShardWriter, recover_open_shard, write_shards
+from capture_format.shard_reader import DamagedShard, ShardDirectory, VerifyReport, verify_shard
+from capture_format.shards import RecoveryReport, ShardWriter, recover_open_shard, repair_shard, write_shards
 
 __all__ = [
     "AUX_SEMANTICS",
@@ -77,6 +77,7 @@ __all__ = [
     "InvalidRecordError",
     "LayerConfigError",
     "RecoveryReport",
+    "DamagedShard",
     "ShardDirectory",
     "ShardError",
     "ShardIndex",
@@ -99,6 +100,7 @@ __all__ = [
     "parse_frame_prefix",
     "read_frame_prefix",
     "recover_open_shard",
+    "repair_shard",
     "spans_from_mask",
     "verify_shard",
     "write_shards",

@@ -59,7 +59,10 @@ __all__ = [
     "codec_for_states",
     "decode_frame",
     "encode_frame",
+    "check_header",
+    "decode_tensor",
     "inspect_frame",
+    "inspect_frame_header",
     "parse_frame_prefix",
     "read_frame_prefix",
 ]
@@ -199,18 +202,23 @@ def _parse_frame(view: memoryview) -> FrameInfo:
         raise FrameError(f"frame is truncated: {view.nbytes} of its {frame_nbytes} bytes are present")
     if view.nbytes > frame_nbytes:
         raise FrameError(f"{view.nbytes - frame_nbytes} trailing bytes after a {frame_nbytes}-byte frame")
-    header_bytes = view[FRAME_PREFIX_NBYTES : FRAME_PREFIX_NBYTES + header_nbytes]
-    actual_checksum = _header_checksum(view, header_bytes)
+    return check_header(prefix, view, view[FRAME_PREFIX_NBYTES : FRAME_PREFIX_NBYTES + header_nbytes])
+
+
+def check_header(prefix: FramePrefix, prefix_bytes: bytes | memoryview, header_bytes: bytes | memoryview) -> FrameInfo:
+    """The frame's FrameInfo from its parsed prefix, the prefix's bytes and the header's bytes alone: the
+    header checksum and every header rule, no payload byte (the token-only reader needs no more)."""
+    actual_checksum = _header_checksum(prefix_bytes, header_bytes)
     if actual_checksum != prefix.header_xxh3_64:
         raise ChecksumError(
             f"frame header checksum mismatch: the prefix says {prefix.header_xxh3_64}, "
             f"prefix and header hash to {actual_checksum}"
         )
     return parse_header(
-        load_header(header_bytes),
-        header_nbytes=header_nbytes,
+        load_header(memoryview(header_bytes)),
+        header_nbytes=prefix.header_nbytes,
         payload_nbytes=prefix.payload_nbytes,
-        frame_nbytes=frame_nbytes,
+        frame_nbytes=prefix.frame_nbytes,
         header_xxh3_64=actual_checksum,
     )
 
@@ -224,6 +232,27 @@ def _verify_checksum(data: memoryview, expected: str, tensor: TensorInfo, what: 
     actual = xxhash.xxh3_64_hexdigest(data)
     if actual != expected:
         raise ChecksumError(f"tensor {tensor.name!r}: {what} bytes hash to {actual}; the header says {expected}")
+
+
+def decode_tensor(stored: bytes | memoryview, tensor: TensorInfo, *, verify: bool = True) -> np.ndarray:
+    """One tensor's array from its stored bytes; verify checks the stored and decoded checksums."""
+    if verify:
+        _verify_checksum(memoryview(stored), tensor.stored_xxh3_64, tensor, "stored")
+    try:
+        raw = get_codec(tensor.codec).decode(stored, tensor.raw_nbytes)
+    except CodecError as err:
+        raise FrameError(f"tensor {tensor.name!r}: {err}") from None
+    if verify:
+        _verify_checksum(raw, tensor.raw_xxh3_64, tensor, "decoded")
+    return np.frombuffer(raw, dtype=ELEMENT_DTYPES[tensor.dtype]).reshape(tensor.shape)
+
+
+def inspect_frame_header(buf: bytes | bytearray | memoryview) -> FrameInfo:
+    """Checks a whole frame's prefix, lengths, header checksum and header, touching no tensor byte.
+
+    When this passes, the frame's length is trustworthy even if its payload is damaged: recovery
+    uses it to step over one bad frame and keep the good ones behind it."""
+    return _parse_frame(memoryview(buf).cast("B"))
 
 
 def inspect_frame(buf: bytes | bytearray | memoryview) -> FrameInfo:
@@ -254,16 +283,7 @@ def decode_frame(buf: bytes | bytearray | memoryview, *, verify: bool = True) ->
     info = _parse_frame(view)
     arrays = {}
     for tensor in info.tensors:
-        stored = _stored_bytes(view, info, tensor)
-        if verify:
-            _verify_checksum(stored, tensor.stored_xxh3_64, tensor, "stored")
-        try:
-            raw = get_codec(tensor.codec).decode(stored, tensor.raw_nbytes)
-        except CodecError as err:
-            raise FrameError(f"tensor {tensor.name!r}: {err}") from None
-        if verify:
-            _verify_checksum(raw, tensor.raw_xxh3_64, tensor, "decoded")
-        arrays[tensor.name] = np.frombuffer(raw, dtype=ELEMENT_DTYPES[tensor.dtype]).reshape(tensor.shape)
+        arrays[tensor.name] = decode_tensor(_stored_bytes(view, info, tensor), tensor, verify=verify)
     return CaptureRecord(
         record_id=info.record_id,
         sample_id=info.sample_id,

@@ -29,14 +29,18 @@ from typing import Any
 
 from capture_format import records
 from capture_format.errors import CaptureFormatError, ShardError, check_json_type, describe
+from capture_format.files import write_file_atomically
 from capture_format.frame_header import FrameInfo
 
-__all__ = ["INDEX_FORMAT_VERSION", "IndexEntry", "ShardIndex", "build_index", "load_index", "write_index"]
+__all__ = ["INDEX_FORMAT_VERSION", "IndexEntry", "ShardFiles", "ShardIndex", "build_index", "list_shard_files",
+           "load_index", "write_index"]
 
 INDEX_FORMAT_VERSION = 1
 SEALED_SUFFIX = ".etap"
 OPEN_SUFFIX = ".etap.open"
 INDEX_SUFFIX = ".index.json"
+QUARANTINE_DIR_NAME = "quarantine"
+"""Sub-folder where the collector moves damaged shards at start-up; their numbers are never reused."""
 _FILE_NAME = re.compile(r"shard-(\d{6,})(\.etap|\.etap\.open|\.index\.json)", re.ASCII)
 _CHECKSUM = re.compile(r"[0-9a-f]{16}", re.ASCII)
 _RECORD_FIELDS = ("record_id", "sample_id", "offset", "length", "num_tokens", "header_xxh3_64", "ids_xxh3_64")
@@ -62,6 +66,29 @@ def parse_shard_file_name(name: str) -> tuple[int, str] | None:
     """Returns (number, suffix) for a shard, open shard or index file name, else None."""
     match = _FILE_NAME.fullmatch(name)
     return None if match is None else (int(match.group(1)), match.group(2))
+
+
+@dataclass(frozen=True, slots=True)
+class ShardFiles:
+    """The shard files of a directory by kind, each a list of (number, path) in number order."""
+
+    sealed: list[tuple[int, Path]]
+    open: list[tuple[int, Path]]
+    indexes: list[tuple[int, Path]]
+
+
+def list_shard_files(directory: Path | str) -> ShardFiles:
+    """The one listing of a shard directory; ShardError names a folder that is missing or not a folder."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        what = "is not a folder" if directory.exists() else "does not exist"
+        raise ShardError(f"shards folder {describe(str(directory))} {what}")
+    files: dict[str, list[tuple[int, Path]]] = {SEALED_SUFFIX: [], OPEN_SUFFIX: [], INDEX_SUFFIX: []}
+    for name in sorted(os.listdir(directory)):
+        parsed = parse_shard_file_name(name)
+        if parsed is not None:
+            files[parsed[1]].append((parsed[0], directory / name))
+    return ShardFiles(sealed=files[SEALED_SUFFIX], open=files[OPEN_SUFFIX], indexes=files[INDEX_SUFFIX])
 
 
 def index_path_for(shard_path: Path) -> Path:
@@ -188,18 +215,7 @@ def _format_index(data: dict[str, Any]) -> str:
 
 def write_index(index: ShardIndex, index_path: Path) -> None:
     """Writes the index atomically: a reader sees the previous file or the whole new one."""
-    temporary_path = index_path.with_name(index_path.name + ".tmp")
-    data = _format_index(index.to_json()).encode("utf-8")
-    fd = os.open(temporary_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temporary_path, index_path)
-    fsync_directory(index_path.parent)
+    write_file_atomically(index_path, _format_index(index.to_json()))
 
 
 def _parse_entry(row: object, shared: dict[str, Any], shard_path: Path) -> IndexEntry:

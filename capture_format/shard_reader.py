@@ -17,18 +17,22 @@ from pathlib import Path
 from types import TracebackType
 
 from capture_format.errors import CaptureFormatError, ChecksumError, FrameError, ShardError
-from capture_format.frames import decode_frame, parse_frame_prefix
+from capture_format.frames import decode_frame, inspect_frame_header, parse_frame_prefix
 from capture_format.records import CaptureRecord
 from capture_format.shard_index import (
-    OPEN_SUFFIX,
     SEALED_SUFFIX,
     IndexEntry,
     ShardIndex,
+    list_shard_files,
     load_index,
-    parse_shard_file_name,
+    shard_file_name,
 )
 
-__all__ = ["ShardDirectory", "VerifyReport", "verify_shard"]
+__all__ = ["DamagedShard", "ShardDirectory", "VerifyReport", "verify_shard"]
+
+_CROSS_CHECKED = ("record_id", "sample_id", "num_tokens", "ids_xxh3_64", "model_fingerprint", "capture_layers",
+                  "hidden_size", "dtype")
+"""Index fields a reader compares with the frame's own header: an index that lies about any is caught."""
 
 
 def _read_record(fd: int, entry: IndexEntry) -> CaptureRecord:
@@ -42,9 +46,11 @@ def _read_record(fd: int, entry: IndexEntry) -> CaptureRecord:
             raise ChecksumError(
                 f"frame header checksum {prefix.header_xxh3_64} differs from the index's {entry.header_xxh3_64}"
             )
+        info = inspect_frame_header(data)
+        for name in _CROSS_CHECKED:
+            if getattr(info, name) != getattr(entry, name):
+                raise FrameError(f"frame has {name} {getattr(info, name)!r}; the index says {getattr(entry, name)!r}")
         record = decode_frame(data)
-        if record.record_id != entry.record_id:
-            raise FrameError(f"frame holds record {record.record_id!r}; the index says {entry.record_id!r}")
     except ChecksumError as err:
         raise ChecksumError(f"{where}: {err}") from None
     except CaptureFormatError as err:
@@ -60,22 +66,42 @@ def _load_checked_index(shard_path: Path) -> ShardIndex:
     return index
 
 
+@dataclass(frozen=True, slots=True)
+class DamagedShard:
+    """A sealed shard that cannot be read through its index (or an index whose shard is gone), and why."""
+
+    path: Path
+    reason: str
+
+
 class ShardDirectory:
     """The sealed shards of a directory and their indexes, loaded when it is opened."""
 
-    def __init__(self, path: Path | str) -> None:
-        """Loads every sealed shard's index; ShardError if one is missing, malformed or wrong-sized."""
+    def __init__(self, path: Path | str, *, skip_damaged: bool = False) -> None:
+        """Loads every sealed shard's index. A shard whose index is missing, malformed or of the wrong size,
+        or an index whose shard is gone, raises ShardError; with skip_damaged it is listed in `damaged`
+        instead and the other shards are served (`eagle-tap shards repair` rebuilds such an index)."""
         self.path = Path(path)
-        sealed_paths = []
-        open_paths = []
-        for name in sorted(os.listdir(self.path)):
-            parsed = parse_shard_file_name(name)
-            if parsed is not None and parsed[1] == SEALED_SUFFIX:
-                sealed_paths.append(self.path / name)
-            elif parsed is not None and parsed[1] == OPEN_SUFFIX:
-                open_paths.append(self.path / name)
-        self.shards: tuple[ShardIndex, ...] = tuple(_load_checked_index(shard) for shard in sealed_paths)
-        self.open_shard_paths: tuple[Path, ...] = tuple(open_paths)
+        files = list_shard_files(self.path)
+        shards, damaged = [], []
+        for _, shard_path in files.sealed:
+            try:
+                shards.append(_load_checked_index(shard_path))
+            except ShardError as err:
+                if not skip_damaged:
+                    raise
+                damaged.append(DamagedShard(shard_path, f"{shard_path.name}: {err}"))
+        present = {number for number, _ in files.sealed + files.open}
+        for number, index_path in files.indexes:
+            if number not in present:
+                reason = f"{index_path} is an index without a shard ({shard_file_name(number, SEALED_SUFFIX)} is gone)"
+                if not skip_damaged:
+                    raise ShardError(reason)
+                damaged.append(DamagedShard(index_path, reason))
+        self.shards: tuple[ShardIndex, ...] = tuple(shards)
+        self.damaged: tuple[DamagedShard, ...] = tuple(damaged)
+        """Shards left out (only with skip_damaged): each is named and counted by whoever reads the directory."""
+        self.open_shard_paths: tuple[Path, ...] = tuple(shard for _, shard in files.open)
         """Shards still being written (or awaiting recovery): not readable through an index."""
         self._fds: dict[Path, int] = {}
 

@@ -23,25 +23,37 @@ from pathlib import Path
 
 from capture_format.errors import CaptureFormatError, ShardError, describe
 from capture_format.frame_header import FrameInfo
-from capture_format.frames import FRAME_PREFIX_NBYTES, encode_frame, inspect_frame, read_frame_prefix
+from capture_format.frames import (
+    FRAME_PREFIX_NBYTES,
+    encode_frame,
+    inspect_frame,
+    inspect_frame_header,
+    read_frame_prefix,
+)
 from capture_format.records import CaptureRecord
 from capture_format.shard_index import (
     OPEN_SUFFIX,
+    QUARANTINE_DIR_NAME,
     SEALED_SUFFIX,
     ShardIndex,
     build_index,
     fsync_directory,
     index_path_for,
+    list_shard_files,
     parse_shard_file_name,
     shard_file_name,
     write_index,
 )
 
-__all__ = ["RecoveryReport", "ShardWriter", "recover_open_shard", "write_shards"]
+__all__ = ["RecoveryReport", "ShardWriter", "recover_open_shard", "repair_shard", "write_shards"]
 
 
 def _next_shard_number(directory: Path) -> int:
-    numbers = [parsed[0] for parsed in map(parse_shard_file_name, os.listdir(directory)) if parsed is not None]
+    numbers = []
+    for folder in (Path(directory), Path(directory) / QUARANTINE_DIR_NAME):  # a quarantined number stays taken
+        if folder.is_dir():
+            files = list_shard_files(folder)
+            numbers += [number for number, _ in files.sealed + files.open + files.indexes]
     return max(numbers, default=0) + 1
 
 
@@ -186,54 +198,132 @@ class RecoveryReport:
     bytes_cut: int
     stop_reason: str | None
     """Why the scan stopped before the end of the file; None when every byte was a valid frame."""
+    dropped: tuple[str, ...] = ()
+    """Frames left out of the index: damaged payload behind an intact header (their bytes stay, unindexed)."""
 
 
-def _scan_frames(fd: int, file_nbytes: int) -> tuple[list[tuple[int, FrameInfo]], int, str | None]:
-    """Returns the valid frames from the start of the file, where they end, and why the scan stopped."""
+def _scan_frames(fd: int, file_nbytes: int) -> tuple[list[tuple[int, FrameInfo]], int, str | None, list[str]]:
+    """Returns the valid frames, where the last one ends, why the scan stopped, and the frames stepped over.
+
+    A frame whose header checks out but whose payload does not is stepped over (its length is known),
+    so one bad frame does not cost the acknowledged frames behind it; a bad header ends the scan."""
     frames: list[tuple[int, FrameInfo]] = []
-    offset = 0
+    dropped: list[str] = []
+    offset = kept_end = 0
     while offset < file_nbytes:
         left = file_nbytes - offset
         try:
             frame_nbytes = read_frame_prefix(os.pread(fd, min(FRAME_PREFIX_NBYTES, left), offset))
             if frame_nbytes > left:
-                return frames, offset, f"frame at offset {offset} needs {frame_nbytes} bytes; {left} are left"
-            frames.append((offset, inspect_frame(os.pread(fd, frame_nbytes, offset))))
+                return frames, kept_end, f"frame at offset {offset} needs {frame_nbytes} bytes; {left} are left", dropped
+            data = os.pread(fd, frame_nbytes, offset)
+            try:
+                frames.append((offset, inspect_frame(data)))
+            except CaptureFormatError as err:
+                info = inspect_frame_header(data)  # raises (ending the scan) unless the header is intact
+                dropped.append(f"record {info.record_id!r} at offset {offset}: {err}")
         except CaptureFormatError as err:
-            return frames, offset, f"frame at offset {offset}: {err}"
+            return frames, kept_end, f"frame at offset {offset}: {err}", dropped
         offset += frame_nbytes
-    return frames, offset, None
+        kept_end = offset
+    return frames, kept_end, None, dropped
+
+
+def _compact(shard_path: Path, fd: int, frames: list[tuple[int, FrameInfo]]) -> tuple[int, list[tuple[int, FrameInfo]]]:
+    """Rewrites the open shard with only `frames`, back to back (an index must tile its shard): a copy is
+    written and synced beside it, then renamed over it, so a crash leaves the old file or the new one.
+    Returns a locked descriptor of the new file and the frames at their new offsets."""
+    temp_path = shard_path.with_name(f".{shard_path.name}.compacting")
+    new_fd = os.open(temp_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    moved: list[tuple[int, FrameInfo]] = []
+    try:
+        _lock(new_fd, temp_path)
+        offset = 0
+        for old_offset, info in frames:
+            os.pwrite(new_fd, os.pread(fd, info.frame_nbytes, old_offset), offset)
+            moved.append((offset, info))
+            offset += info.frame_nbytes
+        os.fsync(new_fd)
+        os.replace(temp_path, shard_path)
+        fsync_directory(shard_path.parent)
+    except BaseException:
+        os.close(new_fd)
+        temp_path.unlink(missing_ok=True)
+        raise
+    return new_fd, moved
+
+
+@dataclass(slots=True)
+class _Kept:
+    fd: int
+    """A locked descriptor of the shard as it is now (a new file after compaction)."""
+    frames: list[tuple[int, FrameInfo]]
+    kept_nbytes: int
+    file_nbytes: int
+    stop_reason: str | None
+    dropped: list[str]
+
+    def report(self, shard_path: Path, sealed_path: Path | None) -> RecoveryReport:
+        return RecoveryReport(open_path=shard_path, sealed_path=sealed_path, num_records=len(self.frames),
+                              bytes_kept=self.kept_nbytes, bytes_cut=self.file_nbytes - self.kept_nbytes,
+                              stop_reason=self.stop_reason, dropped=tuple(self.dropped))
+
+
+def _keep_valid_frames(shard_path: Path, suffix: str) -> _Kept:
+    """Locks the shard, scans it and leaves only its valid frames in it (compacted or cut); see recovery."""
+    parsed = parse_shard_file_name(shard_path.name)
+    if parsed is None or parsed[1] != suffix:
+        kind = "an open" if suffix == OPEN_SUFFIX else "a sealed"
+        raise ShardError(f"{describe(str(shard_path))} is not {kind} shard name like shard-000001{suffix}")
+    fd = os.open(shard_path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        _lock(fd, shard_path)
+        file_nbytes = os.fstat(fd).st_size
+        frames, kept_nbytes, stop_reason, dropped = _scan_frames(fd, file_nbytes)
+        if dropped and frames:  # keep the good frames behind the dropped ones, back to back
+            new_fd, frames = _compact(shard_path, fd, frames)
+            os.close(fd)
+            fd = new_fd
+            kept_nbytes = sum(info.frame_nbytes for _, info in frames)
+        elif kept_nbytes < file_nbytes:
+            os.ftruncate(fd, kept_nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return _Kept(fd, frames, kept_nbytes, file_nbytes, stop_reason, dropped)
 
 
 def recover_open_shard(path: Path | str) -> RecoveryReport:
-    """Keeps the complete, valid frames at the start of an open shard, cuts the rest and seals it.
+    """Keeps the complete, valid frames of an open shard, cuts the rest and seals it.
 
-    Frames are checked as on ingest (inspect_frame). An open shard with no valid frame is removed.
+    Frames are checked as on ingest (inspect_frame); one with an intact header and a damaged payload
+    is left out of the index and the scan goes on behind it. An open shard with no valid frame is removed.
     """
     open_path = Path(path)
-    parsed = parse_shard_file_name(open_path.name)
-    if parsed is None or parsed[1] != OPEN_SUFFIX:
-        raise ShardError(f"{describe(str(open_path))} is not an open shard name like shard-000001{OPEN_SUFFIX}")
-    fd = os.open(open_path, os.O_RDWR | os.O_CLOEXEC)
+    kept = _keep_valid_frames(open_path, OPEN_SUFFIX)
     try:
-        _lock(fd, open_path)
-        file_nbytes = os.fstat(fd).st_size
-        frames, kept_nbytes, stop_reason = _scan_frames(fd, file_nbytes)
-        if kept_nbytes < file_nbytes:
-            os.ftruncate(fd, kept_nbytes)
-        if frames:
-            sealed_path = _seal(open_path, fd, frames, kept_nbytes).shard_path
+        if kept.frames:
+            sealed_path = _seal(open_path, kept.fd, kept.frames, kept.kept_nbytes).shard_path
         else:
             sealed_path = None
             os.unlink(open_path)
             fsync_directory(open_path.parent)
     finally:
-        os.close(fd)
-    return RecoveryReport(
-        open_path=open_path,
-        sealed_path=sealed_path,
-        num_records=len(frames),
-        bytes_kept=kept_nbytes,
-        bytes_cut=file_nbytes - kept_nbytes,
-        stop_reason=stop_reason,
-    )
+        os.close(kept.fd)
+    return kept.report(open_path, sealed_path)
+
+
+def repair_shard(path: Path | str) -> RecoveryReport:
+    """Rebuilds a sealed shard's index from the shard itself, keeping every frame that passes the ingest
+    checks (a frame with a damaged payload behind an intact header is dropped, as in recovery; the file
+    is cut at the first frame whose header is damaged). The shard keeps its name; no frame is rewritten
+    unless one is dropped. For a shard whose index is lost, damaged, or disagrees with the file."""
+    shard_path = Path(path)
+    kept = _keep_valid_frames(shard_path, SEALED_SUFFIX)
+    try:
+        os.fsync(kept.fd)
+        write_index(build_index(shard_path, kept.kept_nbytes, kept.frames), index_path_for(shard_path))
+        fsync_directory(shard_path.parent)
+    finally:
+        os.close(kept.fd)
+    return kept.report(shard_path, shard_path)

@@ -16,18 +16,12 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
-from capture_format.codecs import get_codec
 from capture_format.errors import CaptureFormatError, ChecksumError, FrameError
-from capture_format.frame_header import ELEMENT_DTYPES, load_header, parse_header
-from capture_format.frames import FRAME_PREFIX_NBYTES, parse_frame_prefix
+from capture_format.frames import FRAME_PREFIX_NBYTES, check_header, decode_tensor, parse_frame_prefix
 from capture_format.shard_index import IndexEntry
 
 __all__ = ["RecordTokens", "read_token_ids"]
-
-_CHECKSUMMED_PREFIX_NBYTES = 24  # as in frames.py: the header checksum covers the prefix up to itself
-
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class RecordTokens:
@@ -62,32 +56,14 @@ def _read(fd: int, entry: IndexEntry) -> RecordTokens:
         )
     if prefix.frame_nbytes != entry.length:
         raise FrameError(f"frame is {prefix.frame_nbytes} bytes; the index says {entry.length}")
-    header_bytes = _pread_exactly(fd, prefix.header_nbytes, entry.offset + FRAME_PREFIX_NBYTES)
-    digest = xxhash.xxh3_64(prefix_bytes[:_CHECKSUMMED_PREFIX_NBYTES])
-    digest.update(header_bytes)
-    if digest.hexdigest() != prefix.header_xxh3_64:
-        raise ChecksumError(f"frame header hashes to {digest.hexdigest()}; the prefix says {prefix.header_xxh3_64}")
-    info = parse_header(
-        load_header(memoryview(header_bytes)),
-        header_nbytes=prefix.header_nbytes,
-        payload_nbytes=prefix.payload_nbytes,
-        frame_nbytes=prefix.frame_nbytes,
-        header_xxh3_64=prefix.header_xxh3_64,
-    )
+    info = check_header(prefix, prefix_bytes, _pread_exactly(fd, prefix.header_nbytes, entry.offset + FRAME_PREFIX_NBYTES))
     if info.record_id != entry.record_id:
         raise FrameError(f"frame holds record {info.record_id!r}; the index says {entry.record_id!r}")
+    if info.ids_xxh3_64 != entry.ids_xxh3_64:
+        raise ChecksumError(f"frame's token ids hash to {info.ids_xxh3_64}; the index says {entry.ids_xxh3_64}")
     tensor = info.tensors[0]  # token_ids, always first in the payload
     stored_offset = entry.offset + FRAME_PREFIX_NBYTES + info.header_nbytes + tensor.offset
-    stored = _pread_exactly(fd, tensor.stored_nbytes, stored_offset)
-    if xxhash.xxh3_64_hexdigest(stored) != tensor.stored_xxh3_64:
-        raise ChecksumError(f"tensor 'token_ids': stored bytes do not hash to {tensor.stored_xxh3_64}")
-    raw = get_codec(tensor.codec).decode(memoryview(stored), tensor.raw_nbytes)
-    raw_digest = xxhash.xxh3_64_hexdigest(raw)
-    if raw_digest != tensor.raw_xxh3_64 or raw_digest != entry.ids_xxh3_64:
-        raise ChecksumError(
-            f"tensor 'token_ids': decoded bytes hash to {raw_digest}; the index says {entry.ids_xxh3_64}"
-        )
-    token_ids = np.frombuffer(raw, dtype=ELEMENT_DTYPES[tensor.dtype]).reshape(tensor.shape)
+    token_ids = decode_tensor(_pread_exactly(fd, tensor.stored_nbytes, stored_offset), tensor)
     return RecordTokens(record_id=info.record_id, token_ids=token_ids, loss_spans=info.loss_spans)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,7 +46,8 @@ def config_from_args(args: argparse.Namespace) -> "FireConfig":
         max_samples=args.max_samples,
         confirm_timeout_s=args.confirm_timeout_s,
         capture_max_new_tokens=args.capture_max_new_tokens,
-        collector_token=args.collector_token or os.environ.get("EAGLE_TAP_TOKEN"),
+        collector_token=(args.collector_token or os.environ.get("EAGLE_TAP_COLLECTOR_TOKEN")
+                         or os.environ.get("EAGLE_TAP_TOKEN")),
         progress=args.progress,
         sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_new_tokens=args.max_new_tokens),
@@ -59,11 +59,7 @@ def config_from_args(args: argparse.Namespace) -> "FireConfig":
 def _fire(args: argparse.Namespace) -> int:
     from client.fire import run_fire
 
-    try:
-        return run_fire(config_from_args(args))
-    except ValueError as err:  # bad input or settings: say what is wrong, no traceback
-        print(f"eagle-tap fire: error: {err}", file=sys.stderr)
-        return 2
+    return run_fire(config_from_args(args))  # bad input or settings raise; eagle-tap's boundary reports them
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -106,7 +102,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                       help="how long the collector may take to store a served record (default 120)")
     fire.add_argument("--request-timeout-s", type=float, default=600.0, help="response timeout (default 600)")
     fire.add_argument("--max-attempts", type=int, default=5, help="tries per request on connection errors/5xx")
-    fire.add_argument("--collector-token", help="collector bearer token (default: $EAGLE_TAP_TOKEN)")
+    fire.add_argument("--collector-token", help="collector bearer token (default: $EAGLE_TAP_COLLECTOR_TOKEN, as the collector reads it, "
+                      "or $EAGLE_TAP_TOKEN)")
     fire.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                       help="progress bar on stderr (default: when stderr is a terminal)")
     fire.set_defaults(run=_fire)

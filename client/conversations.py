@@ -111,6 +111,9 @@ def messages_from_row(row: object) -> list[dict[str, str]]:
     if not isinstance(entries, list) or not entries:
         raise BadRowError("the conversation must be a non-empty list of messages")
     messages = [_message(entry, index, role_key, content_key) for index, entry in enumerate(entries)]
+    first_turn = next((message["role"] for message in messages if message["role"] != "system"), None)
+    if first_turn == "assistant":
+        raise BadRowError("the conversation starts with an assistant message; it must start with a user message")
     system = row.get("system")
     if isinstance(system, str) and system and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system})
@@ -139,7 +142,10 @@ def _read_jsonl(path: Path) -> Iterator[Conversation | BadRow]:
             try:
                 row = json.loads(raw)
             except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                yield BadRow(path.name, line_number, f"not valid JSON: {err}")
+                # json's own "line 1" would name the line inside this one row: give only the column
+                where = f" at column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
+                reason = err.msg if isinstance(err, json.JSONDecodeError) else str(err)
+                yield BadRow(path.name, line_number, f"not valid JSON{where}: {reason}")
                 continue
             yield _item(row, path.name, line_number)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["Endpoints", "HttpConfig", "RequestFailed"]
+__all__ = ["Endpoints", "HttpConfig", "RequestFailed", "check_url"]
 
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 
@@ -46,6 +46,16 @@ class HttpConfig:
     """First backoff; doubled each retry, with +-50% jitter."""
     backoff_max_s: float = 30.0
     """Longest backoff."""
+
+
+def check_url(flag: str, url: str) -> None:
+    """ValueError unless url is an absolute http(s) URL with a host (e.g. `127.0.0.1:30000` is not)."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as err:
+        raise ValueError(f"{flag} {url!r} is not a URL ({err}); e.g. http://127.0.0.1:30000") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"{flag} {url!r} is not an http(s) URL with a host; e.g. http://127.0.0.1:30000")
 
 
 def _http_reason(response: httpx.Response) -> str:
@@ -92,6 +102,20 @@ class Endpoints:
             if response.status_code not in RETRY_STATUS:
                 break
         raise RequestFailed(reason)
+
+    async def check_reachable(self) -> None:
+        """One try each at the server's /get_model_info and the collector's /healthz, before anything is sent;
+        ValueError names the one that does not answer (a down server would otherwise fail every sample)."""
+        checks = (("the SGLang server", "--server", f"{self.server_url}/get_model_info", {}),
+                  ("the collector", "--collector", f"{self.collector_url}/healthz", {}))
+        for what, flag, url, headers in checks:
+            try:
+                response = await self.client.get(url, headers=headers, timeout=self.config.connect_timeout_s)
+            except httpx.TransportError as err:
+                raise ValueError(f"{what} at {url} does not answer ({type(err).__name__}: {err or 'no detail'}): "
+                                 f"start it or fix {flag}") from None
+            if not response.is_success:
+                raise ValueError(f"{what} at {url} answered HTTP {response.status_code}: {response.text[:200]}")
 
     async def generate(self, payload: dict[str, Any]) -> dict[str, Any]:
         """POST /generate; the parsed answer, which always has `output_ids` and `meta_info`."""

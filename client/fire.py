@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import secrets
 import signal
 import sys
@@ -30,10 +31,13 @@ from typing import Any
 
 import httpx
 
+from capture_format.files import write_file_atomically
+from capture_format.fingerprint import tokenizer_fingerprint
+from capture_format.token_frequencies import FREQUENCIES_NAME, write_token_frequencies
+
 from client.confirm import Confirmer
 from client.conversations import BadRow, Conversation, count_rows, data_format, read_conversations
-from client.endpoints import Endpoints, HttpConfig, RequestFailed
-from client.frequencies import write_frequencies, write_json_atomically
+from client.endpoints import Endpoints, HttpConfig, RequestFailed, check_url
 from client.manifest import Manifest
 from client.regenerate import SamplingConfig
 from client.report import Progress, RunStats, format_summary
@@ -101,6 +105,8 @@ class FireConfig:
             raise ValueError(f"capture max_new_tokens must be 0 or 1, got {self.capture_max_new_tokens}")
         if self.run_id is not None:
             check_run_id(self.run_id)
+        check_url("--server", self.server_url)
+        check_url("--collector", self.collector_url)
         data_format(self.data_path)  # a missing or unknown data file is refused before anything starts
 
 
@@ -109,6 +115,8 @@ class _Run:
                  run_id: str, progress: Progress) -> None:
         self.config, self.manifest, self.endpoints, self.chat = config, manifest, endpoints, chat
         self.run_id, self.progress = run_id, progress
+        self.tokenizer_fingerprint: str | None = None
+        """Written into token_frequencies.json so `eagle-tap vocab` refuses it for another tokenizer."""
         self.stats = RunStats()
         self.confirmer = Confirmer(endpoints, manifest, timeout_s=config.confirm_timeout_s)
 
@@ -223,26 +231,43 @@ class _Run:
         self.progress.advance(num_tokens)
 
 
-async def _load_chat(config: FireConfig, endpoints: Endpoints) -> ChatTokenizer:
-    path = config.tokenizer_path
-    if path is None:
-        info = await endpoints.model_info()
-        path = info.get("tokenizer_path") or info.get("model_path")
-        if not path or not Path(path).exists():
-            raise ValueError(f"the server's tokenizer {path!r} is not a folder on this machine; pass --tokenizer")
+def _tokenizer_fingerprint(path: str) -> str | None:
+    try:
+        return tokenizer_fingerprint(path)
+    except ValueError:  # a tokenizer folder without the model's config.json: no fingerprint to give
+        return None
+
+
+def _chat_tokenizer(config: FireConfig, path: str) -> ChatTokenizer:
     return ChatTokenizer.from_pretrained(path, extra_stop_token_ids=config.extra_stop_token_ids,
                                          template_kwargs=config.template_kwargs,
                                          trust_remote_code=config.trust_remote_code)
+
+
+async def _load_chat(config: FireConfig, endpoints: Endpoints) -> tuple[ChatTokenizer, str]:
+    """The tokenizer and its path, after one check that the server and the collector answer. A local
+    --tokenizer loads first, so a mistake in it is reported before the servers are asked anything."""
+    if config.tokenizer_path is not None:
+        chat = _chat_tokenizer(config, config.tokenizer_path)
+        await endpoints.check_reachable()
+        return chat, config.tokenizer_path
+    await endpoints.check_reachable()
+    info = await endpoints.model_info()
+    path = info.get("tokenizer_path") or info.get("model_path")
+    if not path or not Path(path).exists():
+        raise ValueError(f"the server's tokenizer {path!r} is not a folder on this machine; pass --tokenizer")
+    return _chat_tokenizer(config, path), path
 
 
 def _finish(run: _Run, started_s: float) -> int:
     run.stats.wall_s = time.monotonic() - started_s
     run.progress.close()
     totals = run.manifest.totals()
-    write_frequencies(run.config.run_dir, run.manifest.token_counts(), vocab_size=len(run.chat.tokenizer),
-                      num_records=totals["num_counted_records"])
-    write_json_atomically(run.config.run_dir / SUMMARY_NAME,
-                          {"run_id": run.run_id, "totals": totals, "this_run": dataclasses.asdict(run.stats)})
+    write_token_frequencies(run.config.run_dir / FREQUENCIES_NAME, run.manifest.token_counts(),
+                            vocab_size=len(run.chat.tokenizer), num_records=totals["num_counted_records"],
+                            tokenizer_fingerprint=run.tokenizer_fingerprint)
+    summary = {"run_id": run.run_id, "totals": totals, "this_run": dataclasses.asdict(run.stats)}
+    write_file_atomically(run.config.run_dir / SUMMARY_NAME, json.dumps(summary, indent=1) + "\n")
     print(format_summary(totals, run.stats), flush=True)
     if run.stats.interrupted:
         return EXIT_INTERRUPTED
@@ -254,9 +279,13 @@ async def _fire(config: FireConfig, transport: httpx.AsyncBaseTransport | None) 
     started_s = time.monotonic()
     endpoints = Endpoints(config.server_url, config.collector_url, config.http,
                           collector_token=config.collector_token, transport=transport)
+    try:  # before the run folder exists: a down server or a bad tokenizer leaves nothing behind
+        chat, tokenizer_path = await _load_chat(config, endpoints)
+    except BaseException:
+        await endpoints.aclose()
+        raise
     manifest = Manifest(config.run_dir)
     try:
-        chat = await _load_chat(config, endpoints)
         identity = {"run_id": config.run_id or f"r{secrets.token_hex(5)}", "data": str(config.data_path.resolve()),
                     "mode": config.mode, "records_per": config.records_per, "data_split": str(config.data_split)}
         stored = manifest.bind_run(identity)
@@ -266,6 +295,7 @@ async def _fire(config: FireConfig, transport: httpx.AsyncBaseTransport | None) 
         if config.max_samples is not None:
             total = min(total, config.max_samples)
         run = _Run(config, manifest, endpoints, chat, stored["run_id"], Progress(total, config.progress))
+        run.tokenizer_fingerprint = _tokenizer_fingerprint(tokenizer_path)
         work = asyncio.create_task(run.work())
 
         def interrupt() -> None:

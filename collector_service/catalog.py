@@ -5,18 +5,30 @@ What must hold after `open_catalog(data_dir)`:
   removed when it held no valid frame), so every acknowledged record is in a sealed, indexed shard;
 - `locations` holds every record id stored in the directory (the dedupe set survives restarts);
   an id found twice on disk (only possible after a failed sync) is counted and the first copy wins;
-- every sealed shard's index loaded and matched its file size, or start-up fails with ShardError
-  naming the shard: the collector never runs on a directory it cannot account for.
+- every sealed shard's index loaded and matched its file size; a shard that does not (a flipped
+  index byte, a truncated file) is moved with its index into `quarantine/`, named in the log and
+  counted in /v1/stats, and the rest is served: one damaged file does not stop ingest.
+  `eagle-tap shards repair` rebuilds its index from the shard, keeping every verifiable record.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from capture_format import RecoveryReport, ShardDirectory, recover_open_shard
-from capture_format.shard_index import OPEN_SUFFIX, SEALED_SUFFIX, parse_shard_file_name, shard_file_name
+from capture_format import DamagedShard, RecoveryReport, ShardDirectory, recover_open_shard
+from capture_format.shard_index import (
+    INDEX_SUFFIX,
+    OPEN_SUFFIX,
+    QUARANTINE_DIR_NAME,
+    SEALED_SUFFIX,
+    fsync_directory,
+    list_shard_files,
+    parse_shard_file_name,
+    shard_file_name,
+)
 
 __all__ = ["Catalog", "RecordLocation", "Totals", "open_catalog", "shard_name"]
 
@@ -62,27 +74,46 @@ class Catalog:
     totals: Totals = field(default_factory=Totals)
     recoveries: list[RecoveryReport] = field(default_factory=list)
     num_duplicates_on_disk: int = 0
+    quarantined: list[str] = field(default_factory=list)
+    """Damaged shards (or orphaned indexes) moved to quarantine/ at start-up, each with its reason."""
 
 
 def shard_name(shard_number: int, sealed: bool) -> str:
     return shard_file_name(shard_number, SEALED_SUFFIX if sealed else OPEN_SUFFIX)
 
 
+def _quarantine(data_dir: Path, damaged: DamagedShard) -> str:
+    """Moves a damaged shard and its index (whichever exist) into data_dir/quarantine; returns the log line."""
+    quarantine = data_dir / QUARANTINE_DIR_NAME
+    quarantine.mkdir(exist_ok=True)
+    number, _ = parse_shard_file_name(damaged.path.name)
+    for suffix in (SEALED_SUFFIX, INDEX_SUFFIX):
+        path = data_dir / shard_file_name(number, suffix)
+        if path.exists():
+            os.replace(path, quarantine / path.name)
+    fsync_directory(quarantine)
+    fsync_directory(data_dir)
+    line = f"{damaged.reason}; moved to {QUARANTINE_DIR_NAME}/ (eagle-tap shards repair rebuilds its index)"
+    log.error("quarantined a damaged shard: %s", line)
+    return line
+
+
 def open_catalog(data_dir: Path) -> Catalog:
     """Recovers open shards in data_dir, then indexes every sealed shard (see the module docstring)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     catalog = Catalog()
-    for name in sorted(p.name for p in data_dir.iterdir()):
-        parsed = parse_shard_file_name(name)
-        if parsed is not None and parsed[1] == OPEN_SUFFIX:
-            report = recover_open_shard(data_dir / name)
-            log.warning(
-                "recovered %s: kept %d records (%d bytes), cut %d bytes%s",
-                name, report.num_records, report.bytes_kept, report.bytes_cut,
-                f" ({report.stop_reason})" if report.stop_reason else "",
-            )
-            catalog.recoveries.append(report)
-    with ShardDirectory(data_dir) as shards:
+    for _, path in list_shard_files(data_dir).open:
+        report = recover_open_shard(path)
+        log.warning(
+            "recovered %s: kept %d records (%d bytes), cut %d bytes%s%s",
+            path.name, report.num_records, report.bytes_kept, report.bytes_cut,
+            f" ({report.stop_reason})" if report.stop_reason else "",
+            "".join(f"; dropped {reason}" for reason in report.dropped),
+        )
+        catalog.recoveries.append(report)
+    with ShardDirectory(data_dir, skip_damaged=True) as shards:
+        for damaged in shards.damaged:
+            catalog.quarantined.append(_quarantine(data_dir, damaged))
         for shard in shards.shards:
             number, _ = parse_shard_file_name(shard.shard_path.name)
             catalog.totals.num_sealed_shards += 1

@@ -1,12 +1,15 @@
 """Subcommands of the collector: `collect` (serve) and `shards verify|stats` (inspect a data dir).
 
-Imports nothing heavy at module level: FastAPI and uvicorn load only when `collect` runs.
+Imports nothing heavy at module level: FastAPI and uvicorn load only when `collect` runs (building
+the parser reads the settings model, which needs pydantic only).
 `python -m collector_service ARGS` is the same as `eagle-tap ARGS` for these subcommands.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import socket
 import sys
 from pathlib import Path
@@ -14,38 +17,77 @@ from pathlib import Path
 __all__ = ["add_commands", "main"]
 
 
+FLAG_SETTINGS = ("host", "port", "token", "durability", "max_body_bytes", "seal_after_bytes", "seal_after_s",
+                 "min_free_bytes")
+"""CollectorSettings fields that `collect` also takes as flags (--max-body-bytes, ...): each flag's type,
+choices and help come from the field itself, so a setting is described once, in settings.py."""
+
+
+def _add_setting_flags(collect: argparse.ArgumentParser) -> None:
+    import typing
+
+    from collector_service.settings import CollectorSettings
+
+    for name in FLAG_SETTINGS:
+        field = CollectorSettings.model_fields[name]
+        options: dict[str, object] = {"default": None, "help": (field.description or "").split("\n")[0]}
+        kind = field.annotation
+        if typing.get_origin(kind) is typing.Literal:
+            options["choices"] = typing.get_args(kind)
+        elif kind in (int, float):
+            options["type"] = kind
+        options["help"] += f" (default {field.default})" if name != "token" else ""
+        collect.add_argument(f"--{name.replace('_', '-')}", **options)
+
+
 def _settings_overrides(args: argparse.Namespace) -> dict[str, object]:
     """Flags given on the command line; everything else comes from EAGLE_TAP_COLLECTOR_* or defaults."""
-    token = args.token
+    given = {name: getattr(args, name) for name in ("data_dir", *FLAG_SETTINGS)}
     if args.token_file is not None:
-        token = Path(args.token_file).read_text().strip()
-    given = {
-        "data_dir": args.data_dir,
-        "host": args.host,
-        "port": args.port,
-        "token": token,
-        "durability": args.durability,
-        "max_body_bytes": args.max_body_bytes,
-        "seal_after_bytes": args.seal_after_bytes,
-        "seal_after_s": args.seal_after_s,
-        "min_free_bytes": args.min_free_bytes,
-    }
+        try:
+            given["token"] = Path(args.token_file).read_text().strip()
+        except OSError as err:
+            raise ValueError(f"--token-file {args.token_file}: {err.strerror or err}") from None
     return {name: value for name, value in given.items() if value is not None}
 
 
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=1024)
+    try:
+        return socket.create_server((host, port), family=family, backlog=1024)
+    except OSError as err:
+        raise ValueError(f"cannot listen on {host}:{port}: {err.strerror or err}"
+                         f"{' (pick another --port, or 0 for a free one)' if err.errno == errno.EADDRINUSE else ''}"
+                         ) from None
+
+
+def check_data_dir(data_dir: Path) -> None:
+    """Creates data_dir and writes, syncs and removes a file in it: a folder the collector cannot write
+    must fail at start, not after it reported healthy and acknowledged nothing."""
+    probe = data_dir / f".write-test-{os.getpid()}"
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"eagle-tap")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"the data folder {data_dir} is not writable: {err.strerror or err}") from None
 
 
 def _collect(args: argparse.Namespace) -> int:
     import uvicorn
 
     from collector_service.app import create_app
+    from collector_service.http_limits import server_limits
     from collector_service.malloc_tuning import keep_freed_memory
     from collector_service.settings import CollectorSettings
 
     settings = CollectorSettings(**_settings_overrides(args))
+    check_data_dir(settings.data_dir)
     if settings.malloc_retained_bytes > 0:
         keep_freed_memory(settings.malloc_retained_bytes)
     if settings.token is None:
@@ -54,6 +96,7 @@ def _collect(args: argparse.Namespace) -> int:
     port = listener.getsockname()[1]
     config = uvicorn.Config(
         create_app(settings),
+        **server_limits(settings),
         log_level=args.log_level,
         access_log=args.access_log,
         lifespan="on",
@@ -75,6 +118,12 @@ def _shards_verify(args: argparse.Namespace) -> int:
     return 0 if verify_directory(Path(args.data_dir), out=sys.stdout) else 1
 
 
+def _shards_repair(args: argparse.Namespace) -> int:
+    from collector_service.shard_tools import repair_directory
+
+    return 0 if repair_directory(Path(args.data_dir), out=sys.stdout) else 1
+
+
 def _shards_stats(args: argparse.Namespace) -> int:
     from collector_service.shard_tools import print_stats
 
@@ -90,18 +139,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "EAGLE_TAP_COLLECTOR_* environment variables; prefer EAGLE_TAP_COLLECTOR_TOKEN or --token-file "
         "to --token, which other users can see in the process list.",
     )
-    collect.add_argument("--data-dir", required=True, help="directory of the shards (created if missing)")
-    collect.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
-    collect.add_argument("--port", type=int, default=None, help="port (default 8470; 0: a free one, printed)")
-    collect.add_argument("--token", default=None, help="bearer token required on /v1/*")
+    collect.add_argument("--shards", "--data-dir", dest="data_dir", required=True,
+                         help="folder of the shards (created if missing), as every command names it; "
+                         "--data-dir is the old name")
+    _add_setting_flags(collect)
     collect.add_argument("--token-file", default=None, help="file holding the bearer token")
-    collect.add_argument("--durability", choices=("fsync", "none"), default=None,
-                         help="fsync (default): acknowledge after the group commit's sync; none: after the write")
-    collect.add_argument("--max-body-bytes", type=int, default=None, help="largest frame accepted")
-    collect.add_argument("--seal-after-bytes", type=int, default=None, help="seal a shard at this size")
-    collect.add_argument("--seal-after-s", type=float, default=None,
-                         help="seal a shard this long after its first record")
-    collect.add_argument("--min-free-bytes", type=int, default=None, help="refuse ingest (507) below this free space")
     collect.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     collect.add_argument("--access-log", action="store_true", help="log every request (costs CPU at high rates)")
     collect.set_defaults(run=_collect)
@@ -114,10 +156,20 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     stats = shard_commands.add_parser("stats", help="print shards, records, tokens, bytes and compression ratio")
     stats.add_argument("data_dir")
     stats.set_defaults(run=_shards_stats)
+    repair = shard_commands.add_parser(
+        "repair", help="rebuild the index of each damaged shard (here and in quarantine/) from the shard itself",
+        description="For each sealed shard that fails verify (or sits in DIR/quarantine), rebuild its index from "
+        "the shard, keeping every record that passes the ingest checks; repaired shards from quarantine/ move "
+        "back. Stop the collector first.")
+    repair.add_argument("data_dir")
+    repair.set_defaults(run=_shards_repair)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m collector_service", description=__doc__.splitlines()[0])
     add_commands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
     args = parser.parse_args(argv)
-    return args.run(args)
+    from eagle_tap.cli import run_command  # the one error boundary (one line and exit 2 for a mistake)
+
+    args.debug = False
+    return run_command(args)

@@ -5,8 +5,12 @@ What must hold:
   32 bytes give the frame's total length) are checked before the rest of the body is read;
 - the body is copied once, chunk by chunk, into one pooled buffer of exactly the frame's length;
   a body that ends early or runs past the frame is refused;
-- the frame is checked with inspect_frame (prefix, header, sizes, stored checksums; no tensor is
-  decoded) before it is handed to the writer, and a refused frame's buffer goes back to the pool.
+- the frame is checked with inspect_frame (prefix, header, sizes, stored checksums), then decoded
+  once as every reader decodes it (decoded checksums, token ids, the codec's true output size) before
+  it is handed to the writer: what no reader accepts is refused here, not acknowledged and lost later;
+- decoding is bounded: a record may decode to at most max_expansion_ratio times its frame's bytes
+  (checked from the header, before decoding), at most max_concurrent_decodes frames decode at once,
+  and always in a thread, off the event loop; a refused frame's buffer goes back to the pool.
 """
 
 from __future__ import annotations
@@ -19,16 +23,21 @@ from pathlib import Path
 
 from starlette.requests import ClientDisconnect, Request
 
-from capture_format import FRAME_PREFIX_NBYTES, CaptureFormatError, FrameInfo, inspect_frame, read_frame_prefix
+from capture_format import (
+    FRAME_PREFIX_NBYTES,
+    CaptureFormatError,
+    FrameInfo,
+    decode_frame,
+    inspect_frame,
+    read_frame_prefix,
+)
 from collector_service.buffers import BufferPool, BuffersExhausted
 from collector_service.errors import ApiError, api_error_from_format_error
 from collector_service.settings import CollectorSettings
 
-__all__ = ["FRAME_CONTENT_TYPE", "ReceivedFrame", "check_free_space", "inspect_received", "receive_frame"]
+__all__ = ["FRAME_CONTENT_TYPE", "ReceivedFrame", "check_frame", "check_free_space", "receive_frame"]
 
 FRAME_CONTENT_TYPE = "application/octet-stream"
-_INSPECT_IN_THREAD_NBYTES = 32 << 20
-"""Checksumming a frame takes ~0.1 ms per MiB: above this, do it off the event loop."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +71,8 @@ def check_free_space(data_dir: Path, frame_nbytes: int, min_free_bytes: int) -> 
         )
 
 
-async def receive_frame(request: Request, settings: CollectorSettings, pool: BufferPool) -> ReceivedFrame:
+async def receive_frame(request: Request, settings: CollectorSettings, pool: BufferPool,
+                        decode_slots: asyncio.Semaphore) -> ReceivedFrame:
     """Reads and checks the frame in request's body; ApiError (4xx/503/507) names what is wrong."""
     media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media_type != FRAME_CONTENT_TYPE:
@@ -85,7 +95,7 @@ async def receive_frame(request: Request, settings: CollectorSettings, pool: Buf
     progress = _Progress()
     try:
         async with asyncio.timeout(settings.receive_timeout_s):
-            return await _receive(request.stream().__aiter__(), content_length, settings, pool, progress)
+            received = await _receive(request.stream().__aiter__(), content_length, settings, pool, progress)
     except TimeoutError:
         raise ApiError(
             408,
@@ -95,6 +105,18 @@ async def receive_frame(request: Request, settings: CollectorSettings, pool: Buf
         ) from None
     except ClientDisconnect:
         raise ApiError(400, "client_disconnected", f"the client went away after {progress.received} bytes") from None
+    try:
+        info = await check_frame(received.view, settings, decode_slots)
+    except BaseException:
+        pool.release(received.buffer)
+        raise
+    return ReceivedFrame(buffer=received.buffer, view=received.view, info=info)
+
+
+@dataclass(frozen=True, slots=True)
+class _Received:
+    buffer: bytearray
+    view: memoryview
 
 
 @dataclass(slots=True)
@@ -105,7 +127,7 @@ class _Progress:
 async def _receive(
     chunks: AsyncIterator[bytes], content_length: int | None, settings: CollectorSettings, pool: BufferPool,
     progress: _Progress,
-) -> ReceivedFrame:
+) -> _Received:
     head = b""
     while len(head) < FRAME_PREFIX_NBYTES:
         chunk = await anext(chunks, None)
@@ -156,11 +178,10 @@ async def _receive(
                 400, "length_mismatch",
                 f"the body ended after {received} bytes; the frame prefix declares {frame_nbytes}",
             )
-        info = await inspect_received(view)
     except BaseException:
         pool.release(buffer)
         raise
-    return ReceivedFrame(buffer=buffer, view=view, info=info)
+    return _Received(buffer=buffer, view=view)
 
 
 def _runs_past(frame_nbytes: int) -> ApiError:
@@ -170,11 +191,24 @@ def _runs_past(frame_nbytes: int) -> ApiError:
     )
 
 
-async def inspect_received(view: memoryview) -> FrameInfo:
-    """inspect_frame, off the event loop for large frames; ApiError names what is wrong."""
+async def check_frame(view: memoryview, settings: CollectorSettings, decode_slots: asyncio.Semaphore) -> FrameInfo:
+    """What every reader checks, in a thread: inspect_frame, a bound on the decoded size, then one full decode."""
     try:
-        if view.nbytes > _INSPECT_IN_THREAD_NBYTES:
-            return await asyncio.to_thread(inspect_frame, view)
-        return inspect_frame(view)
+        info = await asyncio.to_thread(inspect_frame, view)
     except CaptureFormatError as err:
         raise api_error_from_format_error(err) from None
+    decoded_nbytes = sum(tensor.raw_nbytes for tensor in info.tensors)
+    max_decoded_nbytes = int(settings.max_expansion_ratio * view.nbytes)
+    if decoded_nbytes > max_decoded_nbytes:
+        raise ApiError(
+            413,
+            "expands_too_much",
+            f"the {view.nbytes}-byte frame decodes to {decoded_nbytes} bytes, over max_expansion_ratio="
+            f"{settings.max_expansion_ratio:g} times its size; send it with a weaker codec",
+        )
+    async with decode_slots:
+        try:
+            await asyncio.to_thread(decode_frame, view)  # decoded checksums, token ids, true output sizes
+        except CaptureFormatError as err:
+            raise api_error_from_format_error(err) from None
+    return info

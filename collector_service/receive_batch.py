@@ -14,13 +14,14 @@ What must hold:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from capture_format import FRAME_PREFIX_NBYTES, CaptureFormatError, read_frame_prefix
 from collector_service.buffers import BufferPool, BuffersExhausted
 from collector_service.errors import ApiError, api_error_from_format_error
-from collector_service.receive import ReceivedFrame, check_free_space, inspect_received
+from collector_service.receive import ReceivedFrame, check_frame, check_free_space
 from collector_service.settings import CollectorSettings
 
 __all__ = ["BATCH_CONTENT_TYPE", "MAX_FRAMES_PER_BATCH", "BodyReader", "FrameRejected", "next_frame"]
@@ -69,7 +70,8 @@ class BodyReader:
         return filled
 
 
-async def next_frame(reader: BodyReader, settings: CollectorSettings, pool: BufferPool) -> ReceivedFrame:
+async def next_frame(reader: BodyReader, settings: CollectorSettings, pool: BufferPool,
+                     decode_slots: asyncio.Semaphore) -> ReceivedFrame:
     """The next checked frame. FrameRejected: this one is bad, go on; ApiError: the batch ends here."""
     prefix = bytearray(FRAME_PREFIX_NBYTES)
     if await reader.read_into(memoryview(prefix)) < FRAME_PREFIX_NBYTES:
@@ -94,7 +96,7 @@ async def next_frame(reader: BodyReader, settings: CollectorSettings, pool: Buff
             raise ApiError(400, "length_mismatch",
                            f"the body ended {received} bytes into a frame whose prefix declares {frame_nbytes}")
         try:
-            info = await inspect_received(view)
+            info = await check_frame(view, settings, decode_slots)  # what every reader checks, as /v1/records
         except ApiError as err:
             raise FrameRejected(err) from None
     except BaseException:

@@ -70,7 +70,7 @@ async def post_batch(request: Request, store: StoreDep) -> dict[str, Any]:
         async with asyncio.timeout(store.settings.receive_timeout_s):
             while len(entries) < MAX_FRAMES_PER_BATCH and not await reader.at_end():
                 try:
-                    frame = await next_frame(reader, store.settings, store.buffer_pool)
+                    frame = await next_frame(reader, store.settings, store.buffer_pool, store.decode_slots)
                 except FrameRejected as rejected:
                     store.count_reject(rejected.error.reason)
                     entries.append(_error_entry(rejected.error))

@@ -17,10 +17,12 @@ stats_router = APIRouter(prefix="/v1/stats", tags=["stats"], dependencies=[Depen
 
 @health_router.get("/healthz")
 async def healthz(store: StoreDep) -> JSONResponse:
-    """200 while records can be stored; 503 with the reason after a storage failure."""
+    """200 while records can be stored; 503 with the reason after a storage failure (for good, or the latest write)."""
     reason = store.failed_reason
     if reason is not None:
         return JSONResponse({"status": "failed", "detail": reason}, status_code=503)
+    if store.storage_error is not None:
+        return JSONResponse({"status": "failing", "detail": store.storage_error}, status_code=503)
     return JSONResponse({"status": "ok", "durability": store.settings.durability})
 
 

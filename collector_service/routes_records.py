@@ -48,7 +48,7 @@ _FRAME_BODY = {"content": {FRAME_CONTENT_TYPE: {"schema": {"type": "string", "fo
 )
 async def post_record(request: Request, store: StoreDep) -> JSONResponse:
     """Stores one frame (the body) and answers after it is durable."""
-    frame = await receive_frame(request, store.settings, store.buffer_pool)
+    frame = await receive_frame(request, store.settings, store.buffer_pool, store.decode_slots)
     outcome = await store.submit(frame)
     body = {"status": outcome.status, **_describe(store, outcome.record_id, outcome.location)}
     if outcome.status == "duplicate":

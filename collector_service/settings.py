@@ -57,8 +57,20 @@ class CollectorSettings(BaseSettings):
     """Bytes appended before one fdatasync covers them (bounds ack latency under heavy load)."""
     max_inflight_bytes: int = Field(default=4 << 30, ge=64)
     """Frames being received or waiting for their commit, at most; beyond it POSTs get 503 (retry later)."""
+    max_expansion_ratio: float = Field(default=64.0, ge=1)
+    """A record may decode to at most this many times its frame's bytes (413 above): a small POST that
+    decodes to gigabytes of zeros is refused from its header, before anything is decoded."""
+    max_concurrent_decodes: int = Field(default=2, ge=1)
+    """Frames decoded at once while checking them (each decodes in a thread, off the event loop)."""
     receive_timeout_s: float = Field(default=300.0, gt=0)
     """Longest time to receive one body; a slower (or stalled) sender gets 408 and its buffer is freed."""
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    """A connection that has not sent complete request headers this long after it opened (or after its
+    last response) is closed."""
+    max_header_bytes: int = Field(default=64 << 10, ge=1024)
+    """Largest request line plus headers; beyond it the request is refused before it is parsed."""
+    max_connections: int = Field(default=1024, ge=1)
+    """Connections and requests served at once (503 beyond); lowered to fit the process's file limit."""
     buffer_pool_bytes: int = Field(default=256 << 20, ge=0)
     """Receive buffers kept for reuse (large fresh allocations dominate receive cost)."""
     malloc_retained_bytes: int = Field(default=512 << 20, ge=0)

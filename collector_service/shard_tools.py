@@ -1,8 +1,11 @@
-"""`eagle-tap shards verify|stats DIR`: check and summarize a shard directory (capture_format only).
+"""`eagle-tap shards verify|stats|repair DIR`: check, summarize and repair a shard directory (capture_format only).
 
 verify: every sealed shard against its index and every record's checksums (decoding it), indexes
 without a shard, and record ids stored twice. Open shards are listed, not read: the collector
 recovers them when it starts. Returns False if anything is wrong.
+repair: every shard of DIR and DIR/quarantine whose index does not load (or a shard that fails
+verify) gets its index rebuilt from the shard, keeping every verifiable record; a repaired shard
+from quarantine/ moves back into DIR. Stop the collector first: repair takes the shard's lock.
 """
 
 from __future__ import annotations
@@ -12,49 +15,48 @@ from collections import Counter
 from pathlib import Path
 from typing import TextIO
 
-from capture_format import ShardDirectory, ShardError, load_index, verify_shard
-from capture_format.shard_index import INDEX_SUFFIX, OPEN_SUFFIX, SEALED_SUFFIX, parse_shard_file_name, shard_file_name
+from capture_format import ShardDirectory, ShardError, load_index, repair_shard, verify_shard
+from capture_format.shard_index import (
+    INDEX_SUFFIX,
+    QUARANTINE_DIR_NAME,
+    SEALED_SUFFIX,
+    index_path_for,
+    list_shard_files,
+    parse_shard_file_name,
+    shard_file_name,
+)
 
-__all__ = ["print_stats", "verify_directory"]
-
-
-def _shard_files(data_dir: Path) -> dict[str, list[tuple[int, str]]]:
-    files: dict[str, list[tuple[int, str]]] = {SEALED_SUFFIX: [], OPEN_SUFFIX: [], INDEX_SUFFIX: []}
-    for name in sorted(os.listdir(data_dir)):
-        parsed = parse_shard_file_name(name)
-        if parsed is not None:
-            files[parsed[1]].append((parsed[0], name))
-    return files
+__all__ = ["print_stats", "repair_directory", "verify_directory"]
 
 
 def verify_directory(data_dir: Path, *, out: TextIO) -> bool:
-    """Prints one line per shard and a summary; True when no problem was found."""
-    files = _shard_files(data_dir)
+    """Prints one line per shard and a summary; True when no problem was found (an empty folder is one)."""
+    files = list_shard_files(data_dir)
     problems: list[str] = []
     record_ids: Counter[str] = Counter()
     num_records = num_verified = 0
-    for _, name in files[SEALED_SUFFIX]:
+    for _, path in files.sealed:
         try:
-            report = verify_shard(data_dir / name)
-            entries = load_index(data_dir / name).entries
+            report = verify_shard(path)
+            entries = load_index(path).entries
         except ShardError as err:
             problems.append(str(err))
-            print(f"{name}: FAILED: {err}", file=out)
+            print(f"{path.name}: FAILED: {err}", file=out)
             continue
         record_ids.update(entry.record_id for entry in entries)
         num_records += report.num_records
         num_verified += report.num_verified
         problems.extend(report.problems)
         status = "ok" if report.ok else f"{len(report.problems)} problems"
-        print(f"{name}: {report.num_verified}/{report.num_records} records verified, {status}", file=out)
+        print(f"{path.name}: {report.num_verified}/{report.num_records} records verified, {status}", file=out)
         for problem in report.problems:
             print(f"  {problem}", file=out)
-    for _, name in files[OPEN_SUFFIX]:
-        print(f"{name}: open, not verified (the collector writes it, or recovers it when it starts)", file=out)
-    shard_numbers = {number for number, _ in files[SEALED_SUFFIX] + files[OPEN_SUFFIX]}
-    for number, name in files[INDEX_SUFFIX]:
+    for _, path in files.open:
+        print(f"{path.name}: open, not verified (the collector writes it, or recovers it when it starts)", file=out)
+    shard_numbers = {number for number, _ in files.sealed + files.open}
+    for number, path in files.indexes:
         if number not in shard_numbers:
-            problem = f"{name}: index without a shard ({shard_file_name(number, SEALED_SUFFIX)} is missing)"
+            problem = f"{path.name}: index without a shard ({shard_file_name(number, SEALED_SUFFIX)} is missing)"
             problems.append(problem)
             print(problem, file=out)
     for record_id, count in sorted(record_ids.items()):
@@ -62,9 +64,12 @@ def verify_directory(data_dir: Path, *, out: TextIO) -> bool:
             problem = f"record {record_id!r} is stored {count} times"
             problems.append(problem)
             print(problem, file=out)
+    if not (files.sealed or files.open or files.indexes):
+        problems.append(f"{data_dir} holds no shard files (shard-NNNNNN{SEALED_SUFFIX}): is it the shards folder?")
+        print(f"warning: {problems[-1]}", file=out)
     verdict = "OK" if not problems else f"FAILED ({len(problems)} problems)"
     print(
-        f"{len(files[SEALED_SUFFIX])} sealed shards, {len(files[OPEN_SUFFIX])} open; "
+        f"{len(files.sealed)} sealed shards, {len(files.open)} open; "
         f"{num_verified}/{num_records} records verified: {verdict}",
         file=out,
     )
@@ -72,8 +77,8 @@ def verify_directory(data_dir: Path, *, out: TextIO) -> bool:
 
 
 def print_stats(data_dir: Path, *, out: TextIO) -> None:
-    """Prints totals over the sealed shards: records, tokens, bytes and the compression ratio."""
-    with ShardDirectory(data_dir) as shards:
+    """Prints totals over the readable sealed shards: records, tokens, bytes, compression; damaged ones by name."""
+    with ShardDirectory(data_dir, skip_damaged=True) as shards:
         raw_nbytes = sum(shard.raw_nbytes for shard in shards.shards)
         stored_nbytes = sum(shard.stored_nbytes for shard in shards.shards)
         shard_nbytes = sum(shard.shard_nbytes for shard in shards.shards)
@@ -86,7 +91,54 @@ def print_stats(data_dir: Path, *, out: TextIO) -> None:
             ("stored tensor bytes", f"{stored_nbytes:,} ({stored_nbytes / 2**30:.3f} GiB)"),
             ("shard bytes", f"{shard_nbytes:,} ({shard_nbytes / 2**30:.3f} GiB)"),
             ("compression ratio", f"{raw_nbytes / stored_nbytes:.3f}" if stored_nbytes else "-"),
+            ("damaged shards", f"{len(shards.damaged):,} (not counted above; see `eagle-tap shards repair`)"),
         ]
+        damaged = [f"  {item.reason}" for item in shards.damaged]
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
         print(f"{label:<{width}}  {value}", file=out)
+    for line in damaged:
+        print(line, file=out)
+
+
+def _needs_repair(shard_path: Path) -> bool:
+    try:
+        return not verify_shard(shard_path).ok
+    except ShardError:
+        return True
+
+
+def repair_directory(data_dir: Path, *, out: TextIO) -> bool:
+    """Repairs what verify finds wrong with each sealed shard (see the module docstring); True if all is well after."""
+    files = list_shard_files(data_dir)
+    quarantine = data_dir / QUARANTINE_DIR_NAME
+    quarantined = list_shard_files(quarantine).sealed if quarantine.is_dir() else []
+    num_repaired = num_kept = num_lost = 0
+    for number, shard_path in [*files.sealed, *quarantined]:
+        from_quarantine = shard_path.parent == quarantine
+        if not from_quarantine and not _needs_repair(shard_path):
+            continue
+        report = repair_shard(shard_path)
+        num_repaired += 1
+        num_kept += report.num_records
+        num_lost += len(report.dropped)
+        cut = f", cut {report.bytes_cut} bytes ({report.stop_reason})" if report.bytes_cut else ""
+        print(f"{shard_path.name}: index rebuilt, {report.num_records} records kept, "
+              f"{len(report.dropped)} dropped{cut}", file=out)
+        for reason in report.dropped:
+            print(f"  dropped {reason}", file=out)
+        if from_quarantine:
+            if (data_dir / shard_path.name).exists():
+                print(f"  left in {QUARANTINE_DIR_NAME}/: {data_dir / shard_path.name} exists", file=out)
+                continue
+            os.replace(index_path_for(shard_path), data_dir / shard_file_name(number, INDEX_SUFFIX))
+            os.replace(shard_path, data_dir / shard_path.name)
+            print(f"  moved back into {data_dir}", file=out)
+    for _, index_path in files.indexes:
+        number, _ = parse_shard_file_name(index_path.name)
+        if not (data_dir / shard_file_name(number, SEALED_SUFFIX)).exists() and not any(
+                n == number for n, _ in files.open):
+            print(f"{index_path.name}: index without a shard: nothing to rebuild from; remove it", file=out)
+    print(f"{num_repaired} shards repaired: {num_kept} records kept, {num_lost} dropped", file=out)
+    with ShardDirectory(data_dir, skip_damaged=True) as shards:
+        return not shards.damaged

@@ -58,9 +58,12 @@ class RecordStore:
     ) -> None:
         self.settings = settings
         self.buffer_pool = BufferPool(settings.buffer_pool_bytes, settings.max_inflight_bytes)
+        self.decode_slots = asyncio.Semaphore(settings.max_concurrent_decodes)
+        """Frames being decoded at once (ingest decodes each once): bounds the CPU and memory it takes."""
         self._locations = catalog.locations
         self.totals = catalog.totals
         self.recoveries = catalog.recoveries
+        self.quarantined = catalog.quarantined
         self.num_duplicates_on_disk = catalog.num_duplicates_on_disk
         self._in_flight: dict[str, asyncio.Future[RecordLocation]] = {}
         self._shard_states: dict[int, str] = {}
@@ -107,6 +110,11 @@ class RecordStore:
         if self._accepting and not self._writer.is_alive():
             return "the writer thread is not running"
         return None
+
+    @property
+    def storage_error(self) -> str | None:
+        """Why the latest write failed (the disk is full, read-only, gone); None once one succeeds."""
+        return self._writer.last_write_error
 
     def lookup(self, record_id: str) -> RecordLocation | None:
         return self._locations.get(record_id)
@@ -218,6 +226,8 @@ class RecordStore:
                 {"shard": report.open_path.name, "num_records": report.num_records, "bytes_cut": report.bytes_cut}
                 for report in self.recoveries
             ],
+            "num_quarantined_shards": len(self.quarantined),
+            "quarantined_shards": list(self.quarantined),
             "uptime_s": round(time.monotonic() - self.started_at, 3),
         }
 

@@ -104,6 +104,8 @@ class WriterThread:
         self._events: list[ShardEvent] = []
         self.failed_reason: str | None = None
         """Set once a sync failed: nothing more is written (see the module docstring)."""
+        self.last_write_error: str | None = None
+        """Why the latest append (or opening a shard for it) failed; None once one succeeds. /healthz shows it."""
         self._thread = threading.Thread(target=self._run, name="collector-writer", daemon=True)
 
     def start(self) -> None:
@@ -174,8 +176,10 @@ class WriterThread:
                 writer = self._open.writer
                 offset = writer.append(job.view, job.info)
             except (OSError, ShardError) as err:
+                self.last_write_error = f"writing to {self.data_dir} failed: {err}"
                 done.append(WriteResult(job=job, error=err))
                 continue
+            self.last_write_error = None
             self._open.unsynced.append(WriteResult(job=job, shard_number=writer.number, offset=offset))
             if writer.bytes_written >= self.seal_after_bytes:
                 done.extend(self._sync_and_seal())

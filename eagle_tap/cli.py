@@ -4,6 +4,11 @@ Each part registers its own subcommands through an `add_commands(subparsers)` fu
 module (listed in `COMMAND_MODULES`). Those modules import nothing heavy at module level, so
 `eagle-tap --help` stays fast and works without torch, FastAPI or SGLang; the work is imported when a
 subcommand runs.
+
+What must hold: `main` is the one error boundary. An ordinary mistake (bad input or settings, a missing
+file, a server that does not answer) ends the command with one line `eagle-tap COMMAND: error: ...` on
+stderr and exit status 2; code below it raises typed errors (ValueError and its subclasses, OSError,
+RequestFailed) and never prints them itself. A traceback only with `--debug` (or EAGLE_TAP_DEBUG=1).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
 import signal
 import sys
 import time
@@ -56,19 +62,18 @@ def interrupt_on_signals() -> Iterator[None]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from eagle_tap.served.draft import SpeculativeConfig, check_draft_fits_target
+    from eagle_tap.served.draft import DraftMismatchError, SpeculativeConfig, check_draft_fits_target
     from eagle_tap.sglang_server import ServerConfig, SGLangServer
     from eagle_tap.tiny_model import TINY_MODEL_DIR
 
     model_path = Path(args.model) if args.model else TINY_MODEL_DIR
     speculative = None
     if args.draft:
+        speculative = SpeculativeConfig(draft_dir=Path(args.draft), num_steps=args.num_steps)
         try:
-            speculative = SpeculativeConfig(draft_dir=Path(args.draft), num_steps=args.num_steps)
             check_draft_fits_target(speculative.draft_dir, model_path)
-        except ValueError as error:  # DraftMismatchError included
-            print(f"eagle-tap serve: refusing draft {args.draft}: {error}", file=sys.stderr)
-            return 2
+        except DraftMismatchError as error:
+            raise DraftMismatchError(f"refusing draft {args.draft}: {error}") from None
     config = ServerConfig(
         speculative=speculative,
         model_path=model_path,
@@ -88,6 +93,51 @@ def _serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+EXIT_USAGE = 2
+"""Exit status of an ordinary mistake, as argparse uses for a bad command line."""
+EXIT_INTERRUPTED = 130
+
+
+def _add_debug_flag(parser: argparse.ArgumentParser, *, top_level: bool) -> None:
+    """--debug anywhere on the line; a subcommand's copy must not reset what the top level set."""
+    default = False if top_level else argparse.SUPPRESS
+    parser.add_argument("--debug", action="store_true", default=default,
+                        help="show the full traceback of an error instead of one line")
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _add_debug_flag(sub, top_level=False)
+
+
+def ordinary_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that mean a mistake in input, settings or environment, not a bug in eagle-tap.
+
+    ValueError covers the project's typed errors (CaptureFormatError, SpanError, ...) and pydantic's
+    ValidationError; HTTP errors only count where httpx and the client were imported by the command."""
+    errors: list[type[BaseException]] = [ValueError, OSError]
+    if "httpx" in sys.modules:
+        errors.append(sys.modules["httpx"].HTTPError)
+    if "client.endpoints" in sys.modules:
+        errors.append(sys.modules["client.endpoints"].RequestFailed)
+    if "eagle_tap.sglang_server" in sys.modules:
+        errors.append(sys.modules["eagle_tap.sglang_server"].ServerStartError)
+    return tuple(errors)
+
+
+def error_line(error: BaseException) -> str:
+    """One line that names what is wrong: pydantic's errors by field, OSError by file."""
+    if hasattr(error, "errors") and type(error).__name__ == "ValidationError":  # pydantic, without importing it
+        return "; ".join(f"{'.'.join(str(part) for part in item['loc']) or 'settings'}: "
+                         f"{item['msg'].removeprefix('Value error, ')}" for item in error.errors())
+    if isinstance(error, OSError) and error.strerror and error.filename is not None:
+        return f"{error.filename}: {error.strerror}"
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def _command_name(args: argparse.Namespace) -> str:
+    return " ".join(str(part) for part in (args.command, getattr(args, "shards_command", None)) if part)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,14 +165,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).add_commands(commands)
+    _add_debug_flag(parser, top_level=True)
     return parser
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Runs the parsed command inside the error boundary (see the module docstring)."""
+    debug = args.debug or os.environ.get("EAGLE_TAP_DEBUG", "") not in ("", "0")
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"eagle-tap {_command_name(args)}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as error:
+        if debug or not isinstance(error, ordinary_errors()):
+            raise
+        print(f"eagle-tap {_command_name(args)}: error: {error_line(error)}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "sglang_args", None) and args.sglang_args[0] == "--":
         args.sglang_args = args.sglang_args[1:]
-    return args.run(args)
+    return run_command(args)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,9 @@ def _pydantic_rows(settings: type, where: str, env_prefix: str, flags: dict[str,
     rows = []
     for name, field in settings.model_fields.items():
         default = "required" if field.is_required() else _default_text(field.get_default(call_default_factory=True))
-        setting = f"`{env_prefix}{name.upper()}`" + (f" / `{flags[name]}`" if name in flags else "")
+        aliases = getattr(field.validation_alias, "choices", None)  # variables other than the prefixed name
+        names = [str(alias) for alias in aliases] if aliases else [f"{env_prefix}{name.upper()}"]
+        setting = " or ".join(f"`{variable}`" for variable in names) + (f" / `{flags[name]}`" if name in flags else "")
         rows.append((where, setting, default, docs.get(name, "")))
     return rows
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from capture_format import CodecError, capture_layers_from_sglang_ids, codec_for_states
+from capture_format.fingerprint import model_fingerprint_or_marker
 from sglang_patch.capture import CaptureAssembler
 from sglang_patch.device_copy import CudaRowCopier, HostCopier, RowCopier
-from sglang_patch.plugin import model_identity_fields
 from sglang_patch.sender import ModelIdentity, Sender, record_dtype
 from sglang_patch.settings import CaptureSettings
 from sglang_patch.spool import Spool, SpoolDirectoryError, check_private_directory
@@ -126,7 +126,7 @@ class CaptureHook:
                           f"server computes: {error}")
             return
         model = ModelIdentity(capture_layers=tuple(capture_layers), hidden_size=int(hf_config.hidden_size),
-                              model_fingerprint=model_identity_fields(worker.model_config.model_path),
+                              model_fingerprint=model_fingerprint_or_marker(worker.model_config.model_path),
                               state_dtype=state_dtype, codec=codec)
         dp_rank = _parallel_rank("attn_dp_rank")
         copier = self._row_copier(worker)

@@ -29,7 +29,6 @@ from capture_format import (
     capture_layers_to_sglang_ids,
     default_capture_layers,
 )
-from capture_format.fingerprint import model_fingerprint
 from sglang_patch import SUPPORTED_SGLANG_VERSIONS
 from sglang_patch.settings import CaptureSettings, load_settings
 
@@ -112,11 +111,3 @@ def enable_aux_capture(server_args: Any, previous, *, settings: CaptureSettings)
         logger.error("eagle-tap capture disabled: %s: %s; serving continues without capture",
                      type(error).__name__, error)
     previous(server_args)
-
-
-def model_identity_fields(model_path: str) -> str:
-    """The model fingerprint, or a marker naming why it could not be computed (a hub id, say)."""
-    try:
-        return model_fingerprint(model_path)
-    except ValueError:
-        return f"unfingerprinted:{Path(model_path).name or model_path}"[:256]

@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 from urllib.parse import urlparse
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from typing import Annotated
 
@@ -26,8 +26,9 @@ class CaptureSettings(BaseSettings):
 
     collector_url: str | None = None
     """Base URL of the collector (e.g. http://127.0.0.1:8700); capture is off while unset."""
-    token: SecretStr | None = None
-    """Bearer token the collector expects, if it has one."""
+    token: SecretStr | None = Field(default=None,
+                                    validation_alias=AliasChoices("EAGLE_TAP_COLLECTOR_TOKEN", "EAGLE_TAP_TOKEN"))
+    """Bearer token the collector expects, if it has one: the collector's own variable (the older name too)."""
     capture_layers: Annotated[list[int] | None, NoDecode] = None
     """Decoder layers whose input is captured, e.g. `3,31,59`; default `[3, L//2 + 1, L - 2]`."""
     codec: str | None = None

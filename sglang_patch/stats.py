@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+from capture_format.files import write_file_atomically
+
 
 def read_stats_file(path: Path, *, newer_than: float | None = None, timeout_s: float = 10.0) -> dict:
     """The counters a stats file holds ({} while there is none). With newer_than (a `time.time()`), waits up
@@ -71,6 +73,4 @@ class CaptureStats:
     def write(self, path: Path) -> None:
         """Replace `path` with the current snapshot (temp file + rename, so readers never see half)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        temp.write_text(json.dumps(self.snapshot(), indent=1, sort_keys=True))
-        os.replace(temp, path)
+        write_file_atomically(path, json.dumps(self.snapshot(), indent=1, sort_keys=True), durable=False)

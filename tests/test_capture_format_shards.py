@@ -165,7 +165,7 @@ def test_index_that_does_not_match_the_frame_is_detected(tmp_path: Path) -> None
     data["records"][1]["record_id"] = "rec-9999"
     index_path.write_text(json.dumps(data))
     with ShardDirectory(tmp_path) as shards:
-        with pytest.raises(FrameError, match="frame holds record 'rec-0001'; the index says 'rec-9999'"):
+        with pytest.raises(FrameError, match="frame has record_id 'rec-0001'; the index says 'rec-9999'"):
             shards.read_record(list(shards.iter_index())[1])
 
 
@@ -235,12 +235,26 @@ def test_torn_tail_recovery_keeps_every_complete_frame(tmp_path: Path, cut_fract
     assert verify_shard(report.sealed_path).ok
 
 
-def test_recovery_stops_at_a_corrupt_frame_and_keeps_a_clean_shard_as_is(tmp_path: Path) -> None:
+def test_recovery_steps_over_a_bad_payload_and_keeps_the_frames_behind_it(tmp_path: Path) -> None:
     damaged = bytearray(encode_frame(make_record(9)))
-    damaged[-5] ^= 0xFF
+    damaged[-5] ^= 0xFF  # payload damaged, header (and so the frame's length) intact
     open_path = _open_shard_with_tail(tmp_path, [make_record(0)], bytes(damaged) + encode_frame(make_record(10)))
     report = recover_open_shard(open_path)
-    assert report.num_records == 1 and "stored bytes hash to" in report.stop_reason
+    assert report.num_records == 2 and report.stop_reason is None
+    assert len(report.dropped) == 1 and "stored bytes hash to" in report.dropped[0]
+    assert report.bytes_cut == len(damaged)
+    with ShardDirectory(tmp_path) as shards:  # the sealed shard's index tiles it and both records read back
+        assert [shards.read_record(entry).record_id for entry in shards.iter_index()] == [
+            make_record(0).record_id, make_record(10).record_id]
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".")]
+
+
+def test_recovery_stops_at_a_bad_header_and_keeps_a_clean_shard_as_is(tmp_path: Path) -> None:
+    damaged = bytearray(encode_frame(make_record(9)))
+    damaged[40] ^= 0xFF  # in the header: its length cannot be trusted, so nothing behind it can be found
+    open_path = _open_shard_with_tail(tmp_path, [make_record(0)], bytes(damaged) + encode_frame(make_record(10)))
+    report = recover_open_shard(open_path)
+    assert report.num_records == 1 and "header checksum" in report.stop_reason and report.dropped == ()
     clean_path = _open_shard_with_tail(tmp_path, [make_record(1), make_record(2)], b"")
     clean = recover_open_shard(clean_path)
     assert (clean.num_records, clean.bytes_cut, clean.stop_reason) == (2, 0, None)

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from client.conversations import Conversation, read_conversations
-from client.frequencies import read_frequencies
+from capture_format.token_frequencies import read_token_frequencies as read_frequencies
 from client.manifest import Manifest
 from client.spans import ChatTokenizer
 from capture_helpers import stored_record
@@ -177,10 +177,14 @@ def test_broken_rows_are_reported_by_line_and_skipped(server, collector, chat, t
     err = capsys.readouterr().err
     assert "conversations_broken.jsonl:4: bad row: message 0: unknown role 'wizard'" in err
     assert "conversations_broken.jsonl:10: bad row: no assistant message to capture (--regenerate" in err
+    # JSON's own "line 1" (inside the row) is not given: it read as the file's line, one off
+    assert "conversations_broken.jsonl:2: bad row: not valid JSON at column 56: Invalid control character" in err
+    assert "conversations_broken.jsonl:13: bad row: the conversation starts with an assistant message" in err
     manifest = Manifest(run_dir)
-    assert [line for line, _, _ in manifest.bad_rows()] == [2, 3, 4, 5, 6, 7, 8, 10, 12]
+    assert [line for line, _, _ in manifest.bad_rows()] == [2, 3, 4, 5, 6, 7, 8, 10, 12, 13]
     assert [(record["line"], record["state"]) for record in manifest.records()] == [(1, "confirmed"), (11, "confirmed")]
-    assert manifest.totals()["num_bad_rows"] == 9
+    assert manifest.totals()["num_bad_rows"] == 10
+    assert manifest.totals()["records_by_state"]["failed"] == 0  # a bad row is not a failed sample
     manifest.close()
 
 

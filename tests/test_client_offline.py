@@ -12,7 +12,7 @@ import pytest
 from capture_format.tag import CaptureTag
 from client.endpoints import HttpConfig
 from client.fire import FireConfig, run_fire
-from client.frequencies import read_frequencies
+from capture_format.token_frequencies import read_token_frequencies as read_frequencies
 from client.manifest import Manifest
 from client.regenerate import SamplingConfig
 from client.spans import ChatTokenizer
@@ -33,6 +33,8 @@ class FakeServing:
         self.scripted_errors: list[int | type[Exception]] = []  # consumed one per /generate call
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path in ("/healthz", "/get_model_info"):  # fire's check that both answer
+            return httpx.Response(200, json={"status": "ok", "model_path": "tiny"})
         if request.url.host == "collector":
             record_id = request.url.path.rsplit("/", 1)[-1]
             if record_id in self.stored:

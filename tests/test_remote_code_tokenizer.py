@@ -63,5 +63,6 @@ def test_the_flag_reaches_the_tokenizer_through_both_commands(
             "--progress", "off"]
     assert main([*fire, "--out", str(tmp_path / "fire-refused")]) == 2
     assert "custom code" in capsys.readouterr().err
-    assert main([*fire, "--out", str(tmp_path / "fire"), "--trust-remote-code"]) == 1
-    assert "custom code" not in capsys.readouterr().err
+    assert main([*fire, "--out", str(tmp_path / "fire"), "--trust-remote-code"]) == 2
+    err = capsys.readouterr().err
+    assert "custom code" not in err and "does not answer" in err

@@ -105,4 +105,4 @@ def test_eval_refuses_records_the_run_trained_on(tmp_path: Path, capsys) -> None
     run = trained_run()
     training_shards = trainer_data.prepared_inputs()["train_shards"]
     assert main(["eval", "--checkpoint", str(run), "--shards", str(training_shards), "--out", str(tmp_path)]) == 2
-    assert "were in the training shards" in capsys.readouterr().err
+    assert "were in the run's training records" in capsys.readouterr().err

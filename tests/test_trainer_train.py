@@ -128,3 +128,16 @@ def test_training_on_a_gpu_with_bf16_autocast(tmp_path: Path) -> None:
                           eval_shards=str(inputs["heldout_shards"]))
     summary = train(config_from_dict(Config, settings))
     assert summary["eval"]["step_accuracy"][0] > 0.4
+
+
+def test_resume_refuses_a_checkpoint_that_pickles_objects(tmp_path: Path, capsys) -> None:
+    import torch
+
+    out_dir = tmp_path / "run"
+    checkpoint = out_dir / "checkpoints" / "step-00000010"
+    checkpoint.mkdir(parents=True)
+    torch.save({"step": 10, "payload": Path("anything")}, checkpoint / "state.pt")  # an object, not plain data
+    config_path = tmp_path / "run.json"
+    config_path.write_text(json.dumps(run_config(out_dir, trainer_data.prepared_inputs()["train_shards"])))
+    assert main(["train", "--config", str(config_path), "--resume"]) == 2
+    assert "refused it" in capsys.readouterr().err

@@ -6,11 +6,14 @@
         rng-rank0.pt      each rank's RNG states (python, numpy, torch CPU and CUDA)
 
 What must hold: a checkpoint directory appears complete or not at all (written as `.tmp`, then
-renamed by rank 0 after every rank wrote its part); the newest `keep` checkpoints are kept.
+renamed by rank 0 after every rank wrote its part); the newest `keep` checkpoints are kept; files
+hold only tensors and plain values and load with `weights_only=True` (no pickle of arbitrary objects,
+so resuming from a folder someone else wrote cannot run code).
 """
 
 from __future__ import annotations
 
+import pickle
 import random
 import re
 import shutil
@@ -33,9 +36,11 @@ def checkpoint_dirs(out_dir: Path) -> list[Path]:
 
 
 def rng_state() -> dict[str, Any]:
+    """Every RNG state as tensors and plain values (numpy's key array as a list), loadable with weights_only."""
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (name, keys.tolist(), position, has_gauss, cached_gaussian),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
@@ -43,7 +48,8 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), position, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -72,9 +78,18 @@ def save_checkpoint(out_dir: Path, state: dict[str, Any], runtime: Runtime, keep
 
 def load_checkpoint(path: Path, runtime: Runtime) -> dict[str, Any]:
     """state.pt of checkpoint path; restores this rank's RNG states when its file is there."""
-    # weights_only=False: these files hold RNG states (tuples, numpy arrays) and are this trainer's own.
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    state = _load_safely(path / "state.pt")
     rng_path = path / f"rng-rank{runtime.rank}.pt"
     if rng_path.is_file():
-        set_rng_state(torch.load(rng_path, weights_only=False))
+        set_rng_state(_load_safely(rng_path))
     return state
+
+
+def _load_safely(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"{path} is missing: {path.parent} is not a complete checkpoint") from None
+    except pickle.UnpicklingError:
+        raise ValueError(f"{path} holds more than tensors and plain values (torch.load with weights_only=True "
+                         "refused it); a checkpoint of eagle-tap train never does: not resuming from it") from None

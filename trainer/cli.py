@@ -1,16 +1,14 @@
 """Subcommands of the trainer: `draft-config`, `vocab`, `train`, `eval` and `export`.
 
 Imports nothing heavy at module level: torch, transformers and matplotlib load when a command runs.
-A bad setting or a mismatch between target, mapping and captures ends the command with its message
-on stderr and exit status 2.
+A bad setting or a mismatch between target, mapping and captures raises ValueError; the `eagle-tap`
+command's one error boundary turns it into one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import sys
 
 __all__ = ["add_commands"]
 
@@ -35,19 +33,6 @@ def _key_values(pairs: list[str]) -> dict[str, object]:
     return values
 
 
-def _reporting_errors(run):
-    @functools.wraps(run)
-    def wrapped(args: argparse.Namespace) -> int:
-        try:
-            return run(args)
-        except ValueError as error:
-            print(f"eagle-tap {args.command}: {error}", file=sys.stderr)
-            return 2
-
-    return wrapped
-
-
-@_reporting_errors
 def _draft_config(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -66,7 +51,6 @@ def _draft_config(args: argparse.Namespace) -> int:
     return 0
 
 
-@_reporting_errors
 def _vocab(args: argparse.Namespace) -> int:
     from trainer.vocab import build_vocab_mapping, coverage_report
 
@@ -80,7 +64,6 @@ def _vocab(args: argparse.Namespace) -> int:
     return 0
 
 
-@_reporting_errors
 def _train(args: argparse.Namespace) -> int:
     from trainer.config_io import load_config
     from trainer.train import Config, train
@@ -91,15 +74,17 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-@_reporting_errors
 def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from trainer.evaluate import evaluate, format_table, write_result
-    from trainer.export import resolve_checkpoint
+    from trainer.run_folder import resolve_checkpoint
+
+    import sys
 
     result = evaluate(args.checkpoint, args.shards, max_records=args.max_records, batch_size=args.batch_size,
-                      max_length=args.max_length, served_max_new_tokens=args.served_max_new_tokens)
+                      max_length=args.max_length, served_max_new_tokens=args.served_max_new_tokens,
+                      progress_bar=sys.stderr.isatty())
     out = Path(args.out) if args.out else resolve_checkpoint(args.checkpoint)[0].parent / "eval"
     path = write_result(result, out)
     print(format_table(result))
@@ -108,7 +93,6 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-@_reporting_errors
 def _export(args: argparse.Namespace) -> int:
     from trainer.export import export
 
@@ -171,7 +155,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "acceptance length of chain drafting k = 1..7, for the trained draft, an untrained draft (same "
         "initialisation) and a unigram draft. Prints a table; writes eval.json and acceptance.png.",
     )
-    evaluation.add_argument("--checkpoint", required=True, help="a training run's out_dir (or its final/ folder)")
+    evaluation.add_argument("--run", "--checkpoint", dest="checkpoint", required=True,
+                            help="a training run's out_dir (or its final/ folder); --checkpoint is the old name")
     evaluation.add_argument("--shards", required=True, help="held-out capture shard directory")
     evaluation.add_argument("--out", help="directory for eval.json and acceptance.png (default: <run>/eval)")
     evaluation.add_argument("--max-records", type=int, help="evaluate at most about this many records")
@@ -187,7 +172,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         description="Write config.json (with SGLang's aux layer ids), model.safetensors (draft weights, d2t, t2d; "
         "no embedding) and a README.md model card into a new folder, atomically.",
     )
-    export.add_argument("--checkpoint", required=True, help="a training run's out_dir (or its final/ folder)")
+    export.add_argument("--run", "--checkpoint", dest="checkpoint", required=True,
+                        help="a training run's out_dir (or its final/ folder); --checkpoint is the old name")
     export.add_argument("--out", required=True, help="folder to create")
     export.add_argument("--eval-result", help="eval.json of `eagle-tap eval`, for the model card's table")
     export.add_argument("--untrained", action="store_true",

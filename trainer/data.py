@@ -44,6 +44,7 @@ import itertools
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -177,6 +178,24 @@ def collate(
     }
 
 
+def open_shards(shards: str | Path) -> cf.ShardDirectory:
+    """The readable shards of a directory; damaged ones are skipped, named and counted in a warning."""
+    directory = cf.ShardDirectory(shards, skip_damaged=True)
+    if directory.damaged:
+        log.warning("skipping %d damaged shard(s) of %s (`eagle-tap shards repair` rebuilds an index): %s",
+                    len(directory.damaged), shards, "; ".join(damaged.reason for damaged in directory.damaged))
+    return directory
+
+
+def require_records(shards: str | Path) -> list[cf.IndexEntry]:
+    """Every readable index entry of a shard directory; ValueError (ShardError) if it is missing or holds none."""
+    with open_shards(shards) as directory:
+        entries = list(directory.iter_index())
+    if not entries:
+        raise ValueError(f"{shards} holds no sealed shard with records")
+    return entries
+
+
 class ShardDataset(torch.utils.data.IterableDataset):
     """Batches of this rank's share of a shard directory, across epochs, from batch `start_batch` on.
 
@@ -203,10 +222,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
         self.start_batch = start_batch
         self.num_epochs = num_epochs
         self.equal_per_rank = equal_per_rank
-        with cf.ShardDirectory(config.shards) as shards:
-            self.entries = list(shards.iter_index())
-        if not self.entries:
-            raise ValueError(f"{config.shards} holds no sealed shard with records")
+        self.entries = require_records(config.shards)
         expected = {"capture_layers": None if capture_layers is None else tuple(capture_layers),
                     "hidden_size": hidden_size, "model_fingerprint": model_fingerprint, "dtype": None}
         for name, value in expected.items():
@@ -239,7 +255,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         worker = torch.utils.data.get_worker_info()
         worker_id, num_workers = (0, 1) if worker is None else (worker.id, worker.num_workers)
-        with cf.ShardDirectory(self.config.shards) as shards:
+        with cf.ShardDirectory(self.config.shards, skip_damaged=True) as shards:  # warned about when built
             for number, epoch, rows in self.batch_indices():
                 if number % num_workers == worker_id:
                     yield self._read_batch(shards, number, epoch, rows)

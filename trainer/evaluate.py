@@ -49,7 +49,7 @@ def acceptance_lengths(matches: torch.Tensor, counted: torch.Tensor) -> list[flo
 
 def shifted_target_argmax(target_argmax: torch.Tensor, doc_ids: torch.Tensor, steps: int) -> torch.Tensor:
     """(B, S, J): the target's argmax at row r + j of the same record, -1 past it."""
-    same_record = [ttt.shift_rows(doc_ids, j, -2) == doc_ids for j in range(steps)]
+    same_record = [ttt.same_record_after(doc_ids, j) for j in range(steps)]
     return torch.stack([torch.where(same, ttt.shift_rows(target_argmax, j, -1), -1)
                         for j, same in enumerate(same_record)], dim=-1)
 
@@ -124,19 +124,26 @@ class Counts:
                 "served_walk_acceptance_length": (self.walk_tokens / self.walk_steps.clamp(min=1)).tolist()}
 
 
+def load_run(checkpoint: str | Path) -> tuple[Path, Path, dict[str, Any]]:
+    """(final/ folder, run folder, the run's config dict with its own copies of draft config and vocab)."""
+    from trainer.run_folder import resolve_checkpoint, run_inputs
+
+    final, run_config_path = resolve_checkpoint(checkpoint)
+    if run_config_path is None:
+        raise ValueError(f"no training config.json next to {final}: eval needs the run's target, vocab and seed")
+    run_dict = json.loads(run_config_path.read_text(encoding="utf-8"))
+    return final, run_config_path.parent, run_inputs(run_config_path.parent, run_dict)
+
+
 def load_drafts(checkpoint: str | Path) -> tuple[ttt.Eagle3Objective, ttt.Eagle3Objective, dict[str, Any]]:
     """(trained objective, untrained objective with the run's initialisation, the run's config dict)."""
     from safetensors.torch import load_file
 
     from trainer.config_io import config_from_dict
     from trainer.distributed import Runtime
-    from trainer.export import resolve_checkpoint
     from trainer.train import Config, build_objective
 
-    final, run_config_path = resolve_checkpoint(checkpoint)
-    if run_config_path is None:
-        raise ValueError(f"no training config.json next to {final}: eval needs the run's target, vocab and seed")
-    run_dict = json.loads(run_config_path.read_text(encoding="utf-8"))
+    final, _, run_dict = load_run(checkpoint)
     config = config_from_dict(Config, run_dict)
     runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     untrained, _, _ = build_objective(config, runtime)
@@ -144,27 +151,6 @@ def load_drafts(checkpoint: str | Path) -> tuple[ttt.Eagle3Objective, ttt.Eagle3
     weights = load_file(final / "model.safetensors")
     trained.draft.load_state_dict({**weights, "embed_tokens.weight": trained.draft.embed_tokens.weight})
     return trained.eval(), untrained.eval(), run_dict
-
-
-def check_held_out(eval_shards: str | Path, training_shards: str | Path) -> dict[str, Any]:
-    """Refuse eval records the run trained on (same record id or same token ids); return the rule applied."""
-    from capture_format import ShardDirectory
-
-    def index(path: str | Path) -> list:
-        with ShardDirectory(path) as shards:
-            return list(shards.iter_index())
-
-    trained_on = index(training_shards)
-    trained_ids = {entry.record_id for entry in trained_on}
-    trained_sequences = {entry.ids_xxh3_64 for entry in trained_on}
-    overlap = [entry.record_id for entry in index(eval_shards)
-               if entry.record_id in trained_ids or entry.ids_xxh3_64 in trained_sequences]
-    if overlap:
-        raise ValueError(
-            f"{len(overlap)} records of {eval_shards} were in the training shards {training_shards} (first: "
-            f"{overlap[0]!r}); evaluate on held-out shards the run never read")
-    return {"training_shards": str(training_shards), "num_training_records": len(trained_on),
-            "rule": "no eval record shares a record id or its token ids with the training shards"}
 
 
 def most_frequent_token(vocab_dir: str | Path, vocab_size: int) -> int:
@@ -176,13 +162,18 @@ def most_frequent_token(vocab_dir: str | Path, vocab_size: int) -> int:
 @torch.no_grad()
 def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | None = None,
              batch_size: int = 8, max_length: int = 2048, steps: int = MAX_CHAIN,
-             served_max_new_tokens: int | None = None) -> dict[str, Any]:
+             served_max_new_tokens: int | None = None, progress_bar: bool = False) -> dict[str, Any]:
     """Accuracy per TTT step and acceptance length by k for the draft and the two baselines.
 
     served_max_new_tokens: the served walk covers only this many tokens of each last turn (as many as
     `eval-served` generates); None: the whole turn."""
+    from tqdm import tqdm
+
+    from trainer.run_folder import check_held_out
+
+    _, run_dir, run_dict = load_run(checkpoint)
+    held_out = check_held_out(shards, run_dir, run_dict)  # before any model is built
     trained, untrained, run_dict = load_drafts(checkpoint)
-    held_out = check_held_out(shards, run_dict["data"]["shards"])
     trained.config.ttt_steps = untrained.config.ttt_steps = steps
     vocab_size = trained.draft.config.vocab_size
     unigram = most_frequent_token(run_dict["vocab"], vocab_size)
@@ -193,10 +184,13 @@ def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | N
                                             shuffle=False), num_epochs=1, equal_per_rank=False, **expected)
     counts = {"draft": Counts(steps), "untrained": Counts(steps), "unigram": Counts(steps)}
     num_records = 0
+    wanted_records = len(dataset.entries) if max_records is None else min(max_records, len(dataset.entries))
+    progress = tqdm(total=wanted_records, desc="eval", unit="record", dynamic_ncols=True, disable=not progress_bar)
     for batch in data.make_loader(dataset):
         if max_records is not None and num_records >= max_records:
             break
         num_records += len(batch["record_ids"])
+        progress.update(len(batch["record_ids"]))
         counted = batch["loss_mask"] & (batch["doc_ids"] >= 0)  # (B, S): start rows
         target_argmax = (batch["final"].float() @ trained.target_lm_head.float().T).argmax(-1)  # (B, S)
         wanted_all = shifted_target_argmax(target_argmax, batch["doc_ids"], steps)  # (B, S, J)
@@ -212,10 +206,11 @@ def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | N
         counts["unigram"].matches.append(unigram_hits)
         counts["unigram"].add_walks(wanted_all == unigram, counted, batch["doc_ids"], served_max_new_tokens)
         for step in range(steps):  # the unigram draft's TTT accuracy: share of counted rows of step i it hits
-            in_record = ttt.shift_rows(batch["doc_ids"], step, -2) == batch["doc_ids"]  # (B, S)
+            in_record = ttt.same_record_after(batch["doc_ids"], step)  # (B, S)
             rows = ttt.shift_rows(counted, step, False) & in_record  # (B, S)
             counts["unigram"].correct[step] += (rows & (ttt.shift_rows(target_argmax, step, -1) == unigram)).sum()
             counts["unigram"].total[step] += rows.sum()
+    progress.close()
     if num_records == 0:
         raise ValueError(f"{shards} holds no record to evaluate")
     drafts = {name: count.result() for name, count in counts.items()}
@@ -251,7 +246,10 @@ def plot_acceptance(result: dict[str, Any], path: Path) -> None:
     figure, axes = plt.subplots(figsize=(6, 4))
     for name, values in result["drafts"].items():
         axes.plot(result["chain_lengths"], values["acceptance_length"], marker="o", label=name)
-    axes.set(xlabel="draft chain length k", ylabel="simulated acceptance length", title="Greedy acceptance (offline)")
+    axes.set(xlabel="draft chain length k (tokens proposed per verify)",
+             ylabel="simulated acceptance length (tokens per verify)",
+             title=f"Greedy acceptance (offline): {result['num_records']:,} records, "
+                   f"{result['num_start_positions']:,} start positions")
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()

@@ -25,20 +25,9 @@ from typing import Any
 
 import torch
 
+from trainer.run_folder import resolve_checkpoint, run_inputs
+
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_checkpoint(checkpoint: str | Path) -> tuple[Path, Path | None]:
-    """(folder with model.safetensors + draft config.json, the training run's config.json or None).
-
-    Accepts a run's out_dir (uses out_dir/final) or its final/ folder itself."""
-    path = Path(checkpoint)
-    final = path / "final" if (path / "final" / "model.safetensors").is_file() else path
-    if not (final / "model.safetensors").is_file() or not (final / "config.json").is_file():
-        raise ValueError(f"{checkpoint} holds no trained draft: expected model.safetensors and config.json in it "
-                         f"or in {path / 'final'} (what `eagle-tap train` writes at the end of a run)")
-    run_config = final.parent / "config.json"
-    return final, run_config if run_config.is_file() else None
 
 
 def required_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -120,7 +109,7 @@ def model_card(config: dict[str, Any], run_config: dict[str, Any] | None, evalua
              f"- draft vocab {config['draft_vocab_size']} of {config['vocab_size']} target tokens", ""]
     if run_config is not None:
         lines += ["## Training data", "",
-                  f"- shards: `{run_config['data']['shards']}`; {run_config['num_steps']} optimizer steps of "
+                  f"- shards: `{Path(run_config['data']['shards']).name}`; {run_config['num_steps']} optimizer steps of "
                   f"{run_config['data']['batch_size']} rows (max length {run_config['data']['max_length']})",
                   f"- TTT steps {run_config['objective']['ttt_steps']}, seed {run_config['seed']}", ""]
         vocab_meta = Path(run_config["vocab"]) / "vocab.json"
@@ -132,20 +121,20 @@ def model_card(config: dict[str, Any], run_config: dict[str, Any] | None, evalua
     if evaluation is not None:
         from trainer.evaluate import format_table
 
-        lines += ["## Offline evaluation", "", f"Held-out shards `{evaluation.get('shards')}`, "
+        lines += ["## Offline evaluation", "", f"Held-out shards `{Path(str(evaluation.get('shards'))).name}`, "
                   f"{evaluation['num_start_positions']} start positions.", "",
                   "```", format_table(evaluation), "```", ""]
     return "\n".join(lines)
 
 
-def untrained_tensors(run_config_path: Path) -> dict[str, torch.Tensor]:
+def untrained_tensors(run_config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The draft a run starts from (its seed, its vocab mapping, no training step), under the saved names."""
     from trainer.config_io import config_from_dict
     from trainer.distributed import Runtime
     from trainer.model import trainable_state_dict
     from trainer.train import Config, build_objective
 
-    config = config_from_dict(Config, json.loads(run_config_path.read_text(encoding="utf-8")))
+    config = config_from_dict(Config, run_config)
     runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     objective, _, _ = build_objective(config, runtime)
     return trainable_state_dict(objective.draft)
@@ -166,9 +155,11 @@ def export(checkpoint: str | Path, out_dir: str | Path, eval_result: str | Path 
         raise ValueError(f"no training config.json next to {final}: the untrained draft is rebuilt from the run's "
                          "config (target, vocab, seed)")
     config = export_config(json.loads((final / "config.json").read_text(encoding="utf-8")))
-    weights = untrained_tensors(run_config_path) if untrained else load_file(final / "model.safetensors")
+    run_config = None
+    if run_config_path is not None:  # the run's own copy of its vocab, so a moved run folder still exports
+        run_config = run_inputs(run_config_path.parent, json.loads(run_config_path.read_text(encoding="utf-8")))
+    weights = untrained_tensors(run_config) if untrained else load_file(final / "model.safetensors")
     tensors = checked_tensors(weights, config)
-    run_config = json.loads(run_config_path.read_text(encoding="utf-8")) if run_config_path else None
     evaluation = None if untrained or not eval_result else json.loads(Path(eval_result).read_text(encoding="utf-8"))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

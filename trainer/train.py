@@ -89,7 +89,7 @@ class Config:
     eval_shards: str | None = None
     """Held-out shard directory: per-step accuracy every eval_every steps and at the end."""
     eval_every: int = 0
-    """Steps between held-out evaluations during training (0: only at the end)."""
+    """Steps between held-out evaluations during training (0: about ten times over the run, and at the end)."""
     eval_max_batches: int = 100
     """Held-out batches read per evaluation, at most."""
     seed: int = 0
@@ -280,22 +280,28 @@ def evaluate(run: Run, shards: str) -> dict[str, Any]:
     dataset = data.ShardDataset(eval_data, rank=runtime.rank, world_size=runtime.world_size, num_epochs=1,
                                 equal_per_rank=False, **run.expected)
     num_steps = config.objective.ttt_steps
-    sums = torch.zeros(2 * num_steps, device=runtime.device)  # correct, total
+    sums = torch.zeros(3 * num_steps, device=runtime.device)  # correct, total, loss * total
     for number, batch in enumerate(data.make_loader(dataset)):
         if number >= config.eval_max_batches:
             break
         with run.autocast():
             out = run.objective(to_device(batch, runtime.device))
-        sums += torch.cat([out["correct"], out["total"]])
+        sums += torch.cat([out["correct"], out["total"], out["step_losses"].float() * out["total"]])  # (3J,)
     sums = distributed.all_reduce_sum(sums, runtime).cpu()
-    correct, total = sums[:num_steps], sums[num_steps:]
-    return {"step_accuracy": (correct / total.clamp(min=1)).tolist(), "num_tokens": int(total[0])}
+    correct, total, loss_sums = sums[:num_steps], sums[num_steps : 2 * num_steps], sums[2 * num_steps :]
+    return {"step_accuracy": (correct / total.clamp(min=1)).tolist(),
+            "step_losses": (loss_sums / total.clamp(min=1)).tolist(), "num_tokens": int(total[0])}
 
 
 def train(config: Config, resume: str | bool = False) -> dict[str, Any]:
     """Runs a training run, or continues one (resume=True: the newest checkpoint; a path: that checkpoint)."""
     from tqdm import tqdm
 
+    from trainer.run_folder import keep_inputs
+
+    for shards in (config.data.shards, config.eval_shards):  # a wrong folder fails before anything is written
+        if shards is not None:
+            data.require_records(shards)
     runtime = distributed.setup(config.device)
     try:
         if config.num_threads:
@@ -305,6 +311,8 @@ def train(config: Config, resume: str | bool = False) -> dict[str, Any]:
         run = start_run(config, runtime, resume)
         if runtime.is_main:
             (out_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
+            keep_inputs(out_dir, draft_config=config.draft_config, vocab=config.vocab,
+                        training_shards=config.data.shards)
         dataset = data.ShardDataset(config.data, rank=runtime.rank, world_size=runtime.world_size,
                                     start_batch=run.next_batch, **run.expected)
         batches = iter(data.make_loader(dataset, pin_memory=runtime.device.type == "cuda"))
@@ -314,20 +322,26 @@ def train(config: Config, resume: str | bool = False) -> dict[str, Any]:
         last_step = config.num_steps
         if config.stop_after_steps is not None:
             last_step = min(last_step, run.start_step + config.stop_after_steps)
-        progress = tqdm(total=config.num_steps, initial=run.start_step, desc="train", dynamic_ncols=True,
+        progress = tqdm(total=config.num_steps, initial=run.start_step, desc="train", unit="step", dynamic_ncols=True,
                         disable=not (config.progress_bar and runtime.is_main))
+        eval_every = config.eval_every or max(1, config.num_steps // 10)
         started = time.monotonic()
+        num_loss_tokens = 0
         saved_step = run.start_step if resume else -1
         for step in range(run.start_step + 1, last_step + 1):
             line, record_ids = train_step(run, batches)
             progress.update(1)
-            progress.set_postfix(loss=f"{line['loss']:.3f}", acc0=f"{line['step_accuracy'][0]:.3f}")
+            num_loss_tokens += line["num_loss_tokens"]
+            # the mean of the per-step losses reads like one cross-entropy; the weighted sum over steps does not
+            progress.set_postfix({"loss/step": f"{sum(line['step_losses']) / len(line['step_losses']):.3f}",
+                                  "acc0": f"{line['step_accuracy'][0]:.3f}",
+                                  "loss tokens/s": f"{num_loss_tokens / max(time.monotonic() - started, 1e-9):,.0f}"})
             if record_log is not None:
                 record_log.write("".join(f"{step}\t{record_id}\n" for record_id in record_ids))
             if step % config.log_every == 0 or step == last_step:
                 elapsed_s = round(time.monotonic() - started, 3)
                 metrics.write({"kind": "train", "step": step, **line, "elapsed_s": elapsed_s})
-            if config.eval_shards and config.eval_every and step % config.eval_every == 0:
+            if config.eval_shards and step % eval_every == 0 and step != config.num_steps:  # the end has its own
                 metrics.write({"kind": "eval", "step": step, **evaluate(run, config.eval_shards)})
             if config.checkpoint_every and step % config.checkpoint_every == 0:
                 save(run, step)

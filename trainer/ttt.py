@@ -50,6 +50,14 @@ def shift_rows(x: torch.Tensor, steps: int, fill: float | int | bool) -> torch.T
     return torch.cat([x[:, steps:], tail], dim=1)  # (B, S, ...)
 
 
+def same_record_after(doc_ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """(B, S) bool: row r + steps exists and belongs to the same record as row r (doc_ids (B, S), -1 on padding).
+
+    The one statement of the rule every shifted target and count uses: -2 fills the rows past the end,
+    so they never match a record (or padding's -1)."""
+    return shift_rows(doc_ids, steps, -2) == doc_ids
+
+
 class Eagle3Objective(nn.Module):
     """The draft plus the frozen target lm_head; forward(batch) returns the loss and per-step counts."""
 
@@ -84,7 +92,7 @@ class Eagle3Objective(nn.Module):
         hidden = self.draft.fc(aux.to(self.draft.fc.weight.dtype))  # (B, S, H)
         cache: list = []
         for step in range(self.config.ttt_steps):
-            in_record = shift_rows(doc_ids, step, -2) == doc_ids  # (B, S): row r + step is the same record
+            in_record = same_record_after(doc_ids, step)  # (B, S)
             counted = shift_rows(loss_mask, step, False) & in_record  # (B, S)
             step_ids = shift_rows(input_ids, step, 0)  # (B, S)
             hidden, logits = self.draft(hidden, step_ids, position_ids + step, mask, cache)  # (B,S,H), (B,S,D)

@@ -18,7 +18,6 @@ client's format, reusable with --frequencies), coverage.png.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import warnings
@@ -29,15 +28,13 @@ from typing import Any
 
 import numpy as np
 
+from capture_format.fingerprint import tokenizer_fingerprint
+from capture_format.token_frequencies import FREQUENCIES_NAME, read_token_frequencies, write_token_frequencies
+
 IF_FEWER_POLICIES = ("error", "shrink", "fill")
 LADDER_SIZES = (8192, 16384, 32768, 65536)
 MAPPING_FORMAT = "eagle-tap vocab mapping"
 MAPPING_FORMAT_VERSION = 1
-FREQUENCIES_FORMAT = "eagle-tap-token-frequencies"  # what the client writes (client/frequencies.py)
-_TOKENIZER_ID_FILES = (
-    "tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "merges.txt", "added_tokens.json",
-    "tokenizer_config.json", "special_tokens_map.json",
-)  # the files that decide which id a token gets (not the chat template)
 
 
 def read_model_config(model_dir: str | Path) -> dict[str, Any]:
@@ -48,18 +45,6 @@ def read_model_config(model_dir: str | Path) -> dict[str, Any]:
     except (OSError, ValueError) as error:
         raise ValueError(f"{model_dir} is not a Hugging Face model folder: cannot read {path} ({error})") from None
     return config.get("text_config") or config
-
-
-def tokenizer_fingerprint(model_dir: str | Path) -> str:
-    """`tok:<16 hex>` over the tokenizer files that decide token ids, and the vocab size."""
-    model_dir = Path(model_dir)
-    digest = hashlib.sha256(str(read_model_config(model_dir)["vocab_size"]).encode())
-    found = [name for name in _TOKENIZER_ID_FILES if (model_dir / name).is_file()]
-    if not found:
-        raise ValueError(f"{model_dir} holds no tokenizer file; expected one of {', '.join(_TOKENIZER_ID_FILES)}")
-    for name in found:
-        digest.update(b"\0" + name.encode() + b"\0" + (model_dir / name).read_bytes())
-    return f"tok:{digest.hexdigest()[:16]}"
 
 
 def template_token_ids(model_dir: str | Path, trust_remote_code: bool = False) -> list[int]:
@@ -94,7 +79,10 @@ def count_shard_tokens(
     counts = np.zeros(vocab_size, dtype=np.int64)
     problems: list[str] = []
     num_records = 0
-    with ShardDirectory(shard_dir) as shards:
+    with ShardDirectory(shard_dir, skip_damaged=True) as shards:
+        for damaged in shards.damaged:
+            warnings.warn(f"skipping a damaged shard (`eagle-tap shards repair` rebuilds its index): {damaged.reason}",
+                          stacklevel=2)
         if shards.num_records == 0:
             raise ValueError(f"{shard_dir} holds no sealed shard with records")
         fingerprints = {entry.model_fingerprint for entry in shards.iter_index()}
@@ -126,36 +114,14 @@ def count_shard_tokens(
     return counts, {"shards": str(shard_dir), "num_records": num_records, "num_skipped_records": len(problems)}
 
 
-def load_frequency_file(path: str | Path, vocab_size: int) -> np.ndarray:
-    """int64[V] counts from the client's token_frequencies.json, or from a plain JSON {token_id: count}."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise ValueError(f"cannot read the frequency file {path}: {error}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object {{token_id: count}}; got {type(data).__name__}")
-    if data.get("format") == FREQUENCIES_FORMAT:
-        if data.get("vocab_size", vocab_size) != vocab_size:
-            raise ValueError(f"{path} counts a vocab of {data['vocab_size']}; the target's is {vocab_size}")
-        data = data["counts"]
+def load_frequency_file(path: str | Path, vocab_size: int, tokenizer: str | None = None) -> np.ndarray:
+    """int64[V] counts from a token-frequency file (capture_format.token_frequencies); with tokenizer
+    (a fingerprint), a file counted with another tokenizer is refused."""
     counts = np.zeros(vocab_size, dtype=np.int64)
-    for key, count in data.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise ValueError(f"{path}: key {key!r} is not a token id") from None
-        if not 0 <= token_id < vocab_size or not isinstance(count, int) or count < 0:
-            raise ValueError(f"{path}: entry {key!r}: {count!r} needs an id in 0..{vocab_size - 1} and a count >= 0")
-        counts[token_id] += count
+    for token_id, count in read_token_frequencies(path, vocab_size=vocab_size,
+                                                  tokenizer_fingerprint=tokenizer).items():
+        counts[token_id] = count
     return counts
-
-
-def write_frequency_file(path: Path, counts: np.ndarray, num_records: int | None) -> None:
-    """counts in the client's token_frequencies.json format (readable by load_frequency_file)."""
-    nonzero = np.flatnonzero(counts)
-    payload = {"format": FREQUENCIES_FORMAT, "version": 1, "vocab_size": int(counts.size), "num_records": num_records,
-               "num_tokens": int(counts.sum()), "counts": {str(i): int(counts[i]) for i in nonzero}}
-    path.write_text(json.dumps(payload) + "\n", encoding="utf-8")
 
 
 def ranked_token_ids(counts: np.ndarray) -> np.ndarray:
@@ -345,7 +311,8 @@ def build_vocab_mapping(
     if shard_dir is not None:
         counts, source = count_shard_tokens(shard_dir, vocab_size, fingerprint)
     else:
-        counts, source = load_frequency_file(frequency_file, vocab_size), {"frequencies": str(frequency_file)}
+        counts = load_frequency_file(frequency_file, vocab_size, tokenizer_fingerprint(target_dir))
+        source = {"frequencies": str(frequency_file)}
     if counts.sum() == 0:
         raise ValueError(f"no loss-masked token was counted in {source}; check the captures' loss spans")
     forced = sorted(set(forced_ids) | set(template_token_ids(target_dir, trust_remote_code) if force_template_tokens else []))
@@ -373,6 +340,9 @@ def build_vocab_mapping(
     mapping = VocabMapping.from_target_ids(target_ids, vocab_size, meta)
     out_dir = Path(out_dir)
     mapping.save(out_dir)
-    write_frequency_file(out_dir / "token_frequencies.json", counts, source.get("num_records"))
+    nonzero = np.flatnonzero(counts)
+    write_token_frequencies(out_dir / FREQUENCIES_NAME, dict(zip(nonzero.tolist(), counts[nonzero].tolist())),
+                            vocab_size=vocab_size, num_records=source.get("num_records"),
+                            tokenizer_fingerprint=meta["tokenizer_fingerprint"])
     plot_coverage(counts, mapping.d2t.size, out_dir / "coverage.png")
     return mapping, counts

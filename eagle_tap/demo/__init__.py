@@ -1,7 +1,7 @@
 """The conversations `make demo` fires at the tiny target model.
 
-`CONVERSATIONS_PATH` is a committed JSONL file, one `{"id", "kind", "messages"}` row a line, written by
-`python scripts/write_demo_conversations.py` (edit the content there and rerun it, never the file).
+`CONVERSATIONS_PATH` is a committed JSONL file, one `{"id", "kind", "messages"}` row a line: the data
+itself is the source (edit it directly; tests/test_demo_conversations.py checks every row).
 Importing this package must stay cheap: no torch, no transformers.
 """
 

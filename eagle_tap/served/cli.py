@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 __all__ = ["add_commands"]
 
 
 def _eval_served(args: argparse.Namespace) -> int:
-    from eagle_tap.served.draft import DraftMismatchError
     from eagle_tap.served.evaluate import Config, evaluate_served, format_report
-    from eagle_tap.sglang_server import ServerStartError
 
     config = Config(target=Path(args.target), draft=Path(args.draft), out_dir=Path(args.out),
                     data=Path(args.data) if args.data else None, shards=Path(args.shards) if args.shards else None,
@@ -20,11 +17,7 @@ def _eval_served(args: argparse.Namespace) -> int:
                     server=args.server, baseline_server=args.baseline_server, device=args.device,
                     server_args=tuple(args.sglang_args), trust_remote_code=args.trust_remote_code,
                     simulated=Path(args.simulated) if args.simulated else None)
-    try:
-        result = evaluate_served(config, log=lambda line: print(line, flush=True))
-    except (DraftMismatchError, ServerStartError, ValueError, RuntimeError) as error:
-        print(f"eagle-tap eval-served: {error}", file=sys.stderr)
-        return 2
+    result = evaluate_served(config, log=lambda line: print(line, flush=True))
     print(format_report(result))
     print(f"wrote {config.out_dir / 'eval_served.json'} and {config.out_dir / 'acceptance_served.png'}")
     return 0 if result["num_identical_outputs"] == result["num_prompts"] else 1

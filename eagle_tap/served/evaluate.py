@@ -145,19 +145,20 @@ def generate(client: httpx.Client, url: str, prompt: Prompt, max_new_tokens: int
     first_token_at = None
     with client.stream("POST", f"{url}/generate", json=payload) as response:
         if response.status_code != 200:
-            raise RuntimeError(f"{url}/generate answered {response.status_code}: {response.read()[:300]!r}")
+            response.read()
+            response.raise_for_status()  # httpx.HTTPStatusError: the server's answer says what went wrong
         for line in response.iter_lines():
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data:"):])
             if "error" in chunk:
-                raise RuntimeError(f"{url}/generate failed: {chunk['error']}")
+                raise ValueError(f"{url}/generate failed for prompt {prompt.key}: {chunk['error']}")
             if first_token_at is None and chunk.get("output_ids"):
                 first_token_at = time.perf_counter()
             last = chunk
     finished_at = time.perf_counter()
     if last is None:
-        raise RuntimeError(f"{url}/generate streamed no output for prompt {prompt.key}")
+        raise ValueError(f"{url}/generate streamed no output for prompt {prompt.key}")
     output_ids = list(last["output_ids"])
     return Generation(output_ids, last["meta_info"], max(len(output_ids) - 1, 0),
                       finished_at - (first_token_at or finished_at))
@@ -198,8 +199,8 @@ def summarize(prompts: Sequence[Prompt], baseline: Sequence[Generation], specula
     """The figures of the module docstring, from the two runs' responses."""
     missing = [prompt.key for prompt, run in zip(prompts, speculative) if "spec_verify_ct" not in run.meta_info]
     if missing:
-        raise RuntimeError(f"{len(missing)} responses of the draft server carry no speculative figures "
-                           f"(spec_verify_ct): it is not serving a draft")
+        raise ValueError(f"{len(missing)} responses of the draft server carry no speculative figures "
+                         f"(spec_verify_ct): it is not serving a draft")
     verify_steps = sum(run.meta_info["spec_verify_ct"] for run in speculative)
     accepted = sum(run.meta_info["spec_num_correct_drafts"] for run in speculative)
     histogram = [0] * (num_steps + 1)  # verify steps by number of accepted drafts
