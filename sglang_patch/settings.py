@@ -22,7 +22,7 @@ logger = logging.getLogger("eagle_tap.plugin")
 class CaptureSettings(BaseSettings):
     """Everything the capture plugin can be told; every field has an `EAGLE_TAP_<NAME>` variable."""
 
-    model_config = SettingsConfigDict(env_prefix="EAGLE_TAP_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="EAGLE_TAP_", extra="ignore", populate_by_name=True)
 
     collector_url: str | None = None
     """Base URL of the collector (e.g. http://127.0.0.1:8700); capture is off while unset."""

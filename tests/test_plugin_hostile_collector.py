@@ -150,7 +150,8 @@ def test_the_sender_spools_what_a_hostile_collector_did_not_take(hostile, tmp_pa
     stats = CaptureStats()
     spool = Spool(settings.spool_dir / "dp0", settings.spool_max_bytes)
     sender = Sender(settings=settings, model=ModelIdentity(capture_layers=(1, 3), hidden_size=16,
-                                                           model_fingerprint="test"),
+                                                           model_fingerprint="test", state_dtype="bfloat16",
+                                                           codec="bf16-split"),
                     stats=stats, spool=spool, stats_path=tmp_path / "stats.json")
     try:
         for index in range(3):

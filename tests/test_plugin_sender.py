@@ -12,7 +12,8 @@ from sglang_patch.stats import CaptureStats
 from test_collector_support import TOKEN, ThreadedCollector
 from test_plugin_hostile_collector import captured
 
-MODEL = ModelIdentity(capture_layers=(1, 3), hidden_size=16, model_fingerprint="test")
+MODEL = ModelIdentity(capture_layers=(1, 3), hidden_size=16, model_fingerprint="test", state_dtype="bfloat16",
+                      codec="bf16-split")
 
 
 def start_sender(tmp_path, collector_url: str, **settings) -> tuple[Sender, CaptureStats, Spool]:
