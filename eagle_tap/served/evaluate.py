@@ -259,8 +259,9 @@ def simulated_acceptance(eval_json: Path, num_steps: int) -> dict[str, Any]:
     return {"eval_json": str(eval_json), "shards": result["shards"],
             "acceptance_length": {name: values["acceptance_length"][index]
                                   for name, values in result["drafts"].items()},
-            "served_walk_acceptance_length": {name: values.get("served_walk_acceptance_length", [None] * (index + 1))[index]
-                                              for name, values in result["drafts"].items()}}
+            "served_walk_acceptance_length": {  # None for an eval.json written before the served walk existed
+                name: values["served_walk_acceptance_length"][index] if "served_walk_acceptance_length" in values
+                else None for name, values in result["drafts"].items()}}
 
 
 def evaluate_served(config: Config, *, log=print) -> dict[str, Any]:
