@@ -355,8 +355,7 @@ def serve_drafts(config: Config, out: Path, evaluation: dict[str, Any]) -> dict[
     from trainer.export import export
 
     from eagle_tap.served.draft import SpeculativeConfig
-    from eagle_tap.served.evaluate import (explain_mismatches, generate_all, plot_served, prompts_from_shards, serving,
-                                           summarize)
+    from eagle_tap.served.evaluate import generate_with_and_without, plot_served, prompts_from_shards, summarize
     from eagle_tap.tiny_model import TINY_MODEL_DIR
 
     drafts = {"draft": out / "draft", "untrained": export(out / "runs" / "train", out / "draft-untrained",
@@ -364,16 +363,12 @@ def serve_drafts(config: Config, out: Path, evaluation: dict[str, Any]) -> dict[
     prompts, _ = prompts_from_shards(out / "captures" / "heldout")
     served_dir = out / "runs" / "served"
     served_dir.mkdir(parents=True, exist_ok=True)
-    runs = {}
-    for name in (*drafts, "baseline"):  # the baseline last: differing outputs are asked about again there
-        speculative = None if name == "baseline" else SpeculativeConfig(draft_dir=drafts[name],
-                                                                        num_steps=config.served_steps)
-        print(f"serving {name} ({len(prompts)} held-out conversations, greedy) ...", flush=True)
-        with serving(TINY_MODEL_DIR, speculative, log_path=out / "logs" / f"sglang-served-{name}.log") as url:
-            runs[name] = generate_all(url, prompts, config.served_max_new_tokens, timeout_s=600)
-            if name == "baseline":
-                mismatches = {draft: explain_mismatches(url, prompts, runs["baseline"], runs[draft])
-                              for draft in drafts}
+    speculative = {name: SpeculativeConfig(draft_dir=folder, num_steps=config.served_steps)
+                   for name, folder in drafts.items()}
+    print(f"serving with each draft and without ({len(prompts)} held-out conversations, greedy) ...", flush=True)
+    runs, mismatches = generate_with_and_without(TINY_MODEL_DIR, prompts, speculative,
+                                                 max_new_tokens=config.served_max_new_tokens, log_dir=out / "logs",
+                                                 log=lambda line: print(line, flush=True))
     k_index = evaluation_chain_index(evaluation, config.served_steps)
     results = {}
     for name in drafts:

@@ -250,6 +250,29 @@ def serving(target: Path, speculative: SpeculativeConfig | None, *, url: str | N
         yield server.url
 
 
+def generate_with_and_without(target: Path, prompts: Sequence[Prompt], drafts: dict[str, SpeculativeConfig], *,
+                              max_new_tokens: int, log_dir: Path, urls: dict[str, str | None] | None = None,
+                              device: str = "cpu", server_args: Sequence[str] = (), timeout_s: float = 600.0,
+                              log=print) -> tuple[dict[str, list[Generation]], dict[str, list[dict[str, Any]]]]:
+    """The prompts generated greedily with each draft and with none ("baseline"), one server at a time.
+
+    Returns (generations by name, each draft's differing outputs explained). The drafts go first: while the
+    no-draft server is up, any output that differs is asked about again there (explain_mismatches).
+    urls: a running server per name (None or missing: start one here, logging to log_dir/sglang-NAME.log)."""
+    urls = urls or {}
+    runs: dict[str, list[Generation]] = {}
+    mismatches: dict[str, list[dict[str, Any]]] = {}
+    for name, speculative in (*drafts.items(), ("baseline", None)):
+        with serving(target, speculative, url=urls.get(name), device=device, server_args=server_args,
+                     log_path=log_dir / f"sglang-{name}.log") as server_url:
+            log(f"{name}: generating at {server_url} ...")
+            runs[name] = generate_all(server_url, prompts, max_new_tokens, timeout_s)
+            if speculative is None:
+                mismatches = {draft: explain_mismatches(server_url, prompts, runs[name], runs[draft])
+                              for draft in drafts}
+    return runs, mismatches
+
+
 def simulated_acceptance(eval_json: Path, num_steps: int) -> dict[str, Any]:
     """`eagle-tap eval`'s simulated acceptance length at chain length num_steps, for each draft it evaluated."""
     result = json.loads(Path(eval_json).read_text(encoding="utf-8"))
@@ -280,18 +303,13 @@ def evaluate_served(config: Config, *, log=print) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     speculative = SpeculativeConfig(draft_dir=Path(config.draft), num_steps=config.num_steps)
     log(f"{len(prompts)} prompts ({len(skipped)} rows skipped); greedy, up to {config.max_new_tokens} new tokens each")
-    runs: dict[str, list[Generation]] = {}
-    # The draft first: while the no-draft server is up, any output that differs is asked about again there.
-    for name, url, spec in (("draft", config.server, speculative), ("baseline", config.baseline_server, None)):
-        with serving(config.target, spec, url=url, device=config.device, server_args=config.server_args,
-                     log_path=out / f"sglang-{name}.log") as server_url:
-            log(f"{name}: generating at {server_url} ...")
-            runs[name] = generate_all(server_url, prompts, config.max_new_tokens, config.request_timeout_s)
-            if name == "baseline":
-                mismatches = explain_mismatches(server_url, prompts, runs["baseline"], runs["draft"])
+    runs, mismatches = generate_with_and_without(
+        config.target, prompts, {"draft": speculative}, max_new_tokens=config.max_new_tokens,
+        urls={"draft": config.server, "baseline": config.baseline_server}, device=config.device,
+        server_args=config.server_args, log_dir=out, timeout_s=config.request_timeout_s, log=log)
     result = {"target": str(config.target), "draft": str(config.draft), "prompts": str(config.shards or config.data),
               "draft_check": checked, "max_new_tokens": config.max_new_tokens, "skipped_rows": skipped,
-              **summarize(prompts, runs["baseline"], runs["draft"], config.num_steps), "mismatches": mismatches}
+              **summarize(prompts, runs["baseline"], runs["draft"], config.num_steps), "mismatches": mismatches["draft"]}
     if config.simulated is not None:
         result["simulated"] = simulated_acceptance(config.simulated, config.num_steps)
     (out / "eval_served.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
