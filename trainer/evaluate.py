@@ -139,15 +139,10 @@ def load_drafts(checkpoint: str | Path) -> tuple[ttt.Eagle3Objective, ttt.Eagle3
     """(trained objective, untrained objective with the run's initialisation, the run's config dict)."""
     from safetensors.torch import load_file
 
-    from trainer.config_io import config_from_dict
-    from trainer.distributed import Runtime
-    from trainer.train import Config, build_objective
+    from trainer.train import initial_objective
 
     final, _, run_dict = load_run(checkpoint)
-    config = config_from_dict(Config, run_dict)
-    runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    untrained, _, _ = build_objective(config, runtime)
-    trained, _, _ = build_objective(config, runtime)
+    untrained, trained = initial_objective(run_dict), initial_objective(run_dict)
     weights = load_file(final / "model.safetensors")
     trained.draft.load_state_dict({**weights, "embed_tokens.weight": trained.draft.embed_tokens.weight})
     return trained.eval(), untrained.eval(), run_dict

@@ -129,15 +129,10 @@ def model_card(config: dict[str, Any], run_config: dict[str, Any] | None, evalua
 
 def untrained_tensors(run_config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The draft a run starts from (its seed, its vocab mapping, no training step), under the saved names."""
-    from trainer.config_io import config_from_dict
-    from trainer.distributed import Runtime
     from trainer.model import trainable_state_dict
-    from trainer.train import Config, build_objective
+    from trainer.train import initial_objective
 
-    config = config_from_dict(Config, run_config)
-    runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    objective, _, _ = build_objective(config, runtime)
-    return trainable_state_dict(objective.draft)
+    return trainable_state_dict(initial_objective(run_config).draft)
 
 
 def export(checkpoint: str | Path, out_dir: str | Path, eval_result: str | Path | None = None,

@@ -33,7 +33,7 @@ import torch
 
 from trainer import data, distributed, ttt
 from trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
-from trainer.config_io import config_to_dict
+from trainer.config_io import config_from_dict, config_to_dict
 from trainer.metrics import MetricsLog, write_plots
 from trainer.model import Config as ModelConfig
 from trainer.model import Eagle3Draft, trainable_state_dict
@@ -152,6 +152,13 @@ def build_objective(
     head_dtype = torch.float32 if runtime.device.type == "cpu" else torch.bfloat16
     objective = ttt.Eagle3Objective(draft, lm_head.to(head_dtype), config.objective).to(runtime.device)
     return objective, draft_json, fingerprint
+
+
+def initial_objective(run_config: dict[str, Any]) -> ttt.Eagle3Objective:
+    """The objective a run starts from (its seed, target weights and vocab mapping, no step taken), on the CPU."""
+    runtime = distributed.Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    objective, _, _ = build_objective(config_from_dict(Config, run_config), runtime)
+    return objective
 
 
 def build_optimizer(
