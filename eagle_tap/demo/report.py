@@ -19,9 +19,9 @@ def served_table(served: dict[str, Any]) -> list[str]:
     lines = [f"served by SGLang (EAGLE-3, chain of {k} drafts; {served['num_prompts']} held-out conversations, "
              f"greedy, up to {served['max_new_tokens']} tokens)",
              f"{'':<30}" + "".join(f"{name:>11}" for name in names)]
-    rows = [(f"acceptance length, served", lambda r: f"{r['acceptance_length']:.3f}"),
-            (f"  simulated, served walk", lambda r: f"{r['simulated_walk_acceptance_length']:.3f}"),
-            (f"  simulated, every position", lambda r: f"{r['simulated_acceptance_length']:.3f}"),
+    rows = [("acceptance length, served", lambda r: f"{r['acceptance_length']:.3f}"),
+            ("  simulated, served walk", lambda r: f"{r['simulated_walk_acceptance_length']:.3f}"),
+            ("  simulated, every position", lambda r: f"{r['simulated_acceptance_length']:.3f}"),
             *[(f"draft {j} accepted (share)", lambda r, j=j: f"{r['acceptance_rate_by_position'][j - 1]:.3f}")
               for j in range(1, k + 1)],
             ("decode speed vs no draft", lambda r: f"{r['decode_speed_ratio']:.2f}x"),
