@@ -161,8 +161,11 @@ def test_mismatched_drafts_are_refused_before_start_up(drafts, tiny_model_dir, t
         assert "Traceback" not in result.stderr and "serving at" not in result.stdout
         with pytest.raises(DraftMismatchError):  # the launcher refuses too, before starting anything
             SGLangServer(ServerConfig(model_path=target, speculative=SpeculativeConfig(draft_dir=draft))).start()
+    # Only servers of these drafts or targets count: other tests may run servers on this machine meanwhile.
+    ours = (str(tmp_path), str(drafts["trained"]))
     left = [process for process in psutil.process_iter(["cmdline"])
-            if process.pid not in before and "sglang.launch_server" in " ".join(process.info["cmdline"] or [])]
+            if process.pid not in before and "sglang.launch_server" in (command := " ".join(process.info["cmdline"] or []))
+            and any(path in command for path in ours)]
     assert not left
 
 
