@@ -4,7 +4,7 @@ What must hold for a header `parse_header` accepts:
 - it is a JSON object (UTF-8, no duplicate keys, no NaN/Infinity) with exactly HEADER_KEYS;
 - record fields obey the record rules (`records.py`) and the semantics labels are the known ones;
 - "tensors" lists token_ids, aux, final in this order, each with exactly TENSOR_KEYS, the dtype and
-  shape the record fields imply ([T], [T, K, H], [T, H]), raw_nbytes == product(shape) * itemsize,
+  shape the record fields imply ([T], [S, K, H], [S, H], S = T or T - 1, see `records.py`), raw_nbytes == product(shape) * itemsize,
   a known codec that accepts the element size, and hex xxh3_64 checksums;
 - stored tensors tile the payload: offsets start at 0, each tensor starts where the previous ends,
   the last ends at payload_nbytes (no gaps, no overlap, nothing outside).
@@ -236,8 +236,11 @@ def parse_header(
         raise FrameError(f"tensor 'token_ids' must be 1-D; got shape {describe(list(token_ids.shape))}")
     num_tokens = records.check_num_tokens(token_ids.shape[0])
     _check_shape(token_ids, (num_tokens,))
-    _check_shape(aux, (num_tokens, len(capture_layers), hidden_size))
-    _check_shape(final, (num_tokens, hidden_size))
+    # States for every token, or for all but the last (records.check_num_states).
+    last_has_no_state = num_tokens >= 2 and len(aux.shape) > 0 and aux.shape[0] == num_tokens - 1
+    num_states = num_tokens - 1 if last_has_no_state else num_tokens
+    _check_shape(aux, (num_states, len(capture_layers), hidden_size))
+    _check_shape(final, (num_states, hidden_size))
     raw_nbytes = sum(tensor.raw_nbytes for tensor in tensors)
     if raw_nbytes > records.MAX_RECORD_RAW_NBYTES:
         raise FrameError(f"frame declares {raw_nbytes} raw bytes; at most {records.MAX_RECORD_RAW_NBYTES} are accepted")

@@ -3,8 +3,11 @@
 What must hold for every `CaptureRecord` (checked when it is built, so no invalid record exists):
 - ids are safe to use in file names and logs: `record_id` and `sample_id` match `RECORD_ID_PATTERN`
   and `SAMPLE_ID_PATTERN` and contain no '..';
-- shapes agree: token_ids [T], aux [T, K, H], final [T, H], with K == len(capture_layers),
-  H == hidden_size, 1 <= T <= MAX_TOKENS, K <= MAX_CAPTURE_LAYERS, H <= MAX_HIDDEN_SIZE;
+- shapes agree: token_ids [T], aux [S, K, H], final [S, H], with K == len(capture_layers),
+  H == hidden_size, 1 <= T <= MAX_TOKENS, K <= MAX_CAPTURE_LAYERS, H <= MAX_HIDDEN_SIZE, and S, the
+  number of states, either T or T - 1 >= 1. S == T - 1 says the last token has no state: it is the
+  token a server sampled last, on which no forward ever ran (a capture made while generating);
+  every other token t has its states at row t;
 - dtypes agree: token_ids int32 (non-negative), aux and final in the numpy dtype of `dtype`
   (bfloat16 travels as uint16 bit patterns, see `bfloat16.py`), all little-endian;
 - loss_spans are sorted, non-overlapping, non-empty half-open [start, end) pairs within [0, T];
@@ -152,6 +155,16 @@ def check_num_tokens(value: object) -> int:
     return _check_int(value, "number of tokens", 1, MAX_TOKENS)
 
 
+def check_num_states(value: object, num_tokens: int) -> int:
+    """Rows of states for a record of num_tokens tokens: num_tokens, or num_tokens - 1 (>= 1) when the
+    last token has no state."""
+    if value not in (num_tokens, num_tokens - 1) or value == 0 or isinstance(value, bool):
+        raise InvalidRecordError(
+            f"a record of {num_tokens} tokens holds states for all {num_tokens} tokens, or for all but the last "
+            f"({num_tokens - 1}, at least 1); got {describe(value)} rows")
+    return int(value)
+
+
 def check_dtype(value: object) -> str:
     if not isinstance(value, str) or value not in STATE_DTYPES:
         raise InvalidRecordError(f"dtype {describe(value)} is not supported; accepted: {', '.join(STATE_DTYPES)}")
@@ -229,9 +242,10 @@ class CaptureRecord:
     loss_spans: tuple[tuple[int, int], ...]
     """Half-open token ranges the draft model learns to predict (assistant tokens)."""
     aux: np.ndarray
-    """[T, K, H]: states entering the capture layers (AUX_SEMANTICS)."""
+    """[S, K, H]: states entering the capture layers (AUX_SEMANTICS); S is T, or T - 1 when the last
+    token has no state (see `num_states`)."""
     final: np.ndarray
-    """[T, H]: last hidden state after the final norm (FINAL_SEMANTICS)."""
+    """[S, H]: last hidden state after the final norm (FINAL_SEMANTICS)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form JSON object (client, dataset, sampling settings)."""
     schema_version: int = SCHEMA_VERSION
@@ -254,8 +268,10 @@ class CaptureRecord:
         if int(token_ids.min()) < 0:
             raise InvalidRecordError(f"token_ids must be non-negative; got minimum {int(token_ids.min())}")
         hint = "uint16 bit patterns" if self.dtype == "bfloat16" else self.dtype
-        aux = _check_array(self.aux, "aux", state_dtype, (num_tokens, len(layers), hidden_size), hint)
-        final = _check_array(self.final, "final", state_dtype, (num_tokens, hidden_size), hint)
+        num_states = check_num_states(self.aux.shape[0] if isinstance(self.aux, np.ndarray) and self.aux.ndim
+                                      else None, num_tokens)
+        aux = _check_array(self.aux, "aux", state_dtype, (num_states, len(layers), hidden_size), hint)
+        final = _check_array(self.final, "final", state_dtype, (num_states, hidden_size), hint)
         raw_nbytes = token_ids.nbytes + aux.nbytes + final.nbytes
         if raw_nbytes > MAX_RECORD_RAW_NBYTES:
             raise InvalidRecordError(f"record holds {raw_nbytes} bytes; at most {MAX_RECORD_RAW_NBYTES} are accepted")
@@ -268,6 +284,11 @@ class CaptureRecord:
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
+
+    @property
+    def num_states(self) -> int:
+        """S: rows of aux and final; num_tokens - 1 when the last token has no state."""
+        return int(self.aux.shape[0])
 
     @property
     def raw_nbytes(self) -> int:

@@ -421,3 +421,24 @@ def test_random_garbage_never_escapes_as_an_untyped_error() -> None:
         for candidate in (garbage, FIXTURE[:32] + garbage, FIXTURE[: int(rng.integers(0, len(FIXTURE)))] + garbage):
             with pytest.raises(CaptureFormatError):
                 decode_frame(candidate)
+
+
+def test_a_record_whose_last_token_has_no_state_round_trips_and_its_header_is_checked() -> None:
+    full = make_record(num_tokens=6, seed=3)
+    generated = CaptureRecord(
+        record_id=full.record_id, sample_id=full.sample_id, model_fingerprint=full.model_fingerprint,
+        capture_layers=full.capture_layers, hidden_size=full.hidden_size, dtype=full.dtype,
+        token_ids=full.token_ids, loss_spans=full.loss_spans, aux=full.aux[:5], final=full.final[:5],
+        metadata=full.metadata)
+    frame = encode_frame(generated)
+    decoded = decode_frame(frame)
+    assert (decoded.num_tokens, decoded.num_states) == (6, 5)
+    assert_same_record(decoded, generated)
+    # A header that claims two missing states is refused before anything is decoded.
+    header, payload = split_frame(encode_frame(CaptureRecord(
+        record_id="short", sample_id="s", model_fingerprint="tiny@1", capture_layers=(0, 3), hidden_size=16,
+        dtype="bfloat16", token_ids=full.token_ids[:4], loss_spans=(), aux=full.aux[:4], final=full.final[:4])))
+    header["tensors"][0]["shape"] = [6]
+    header["tensors"][0]["raw_nbytes"] = 24
+    with pytest.raises(FrameError, match=r"tensor 'aux' has shape \[4, 2, 16\]; the record fields imply \[6, 2, 16\]"):
+        decode_frame(build_frame(header, payload))

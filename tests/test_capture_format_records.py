@@ -215,3 +215,17 @@ def test_importing_capture_format_pulls_in_no_heavy_framework() -> None:
         [sys.executable, "-c", script], cwd=REPOSITORY_ROOT, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_a_record_may_leave_only_its_last_token_without_states() -> None:
+    # A capture made while generating: the last sampled token never went through a forward.
+    record = make_record(aux=np.zeros((3, 3, 8), dtype=np.uint16), final=np.zeros((3, 8), dtype=np.uint16))
+    assert (record.num_tokens, record.num_states) == (4, 3)
+    assert make_record().num_states == 4
+    with pytest.raises(InvalidRecordError, match=r"all but the last \(3, at least 1\); got 2 rows"):
+        make_record(aux=np.zeros((2, 3, 8), dtype=np.uint16), final=np.zeros((2, 8), dtype=np.uint16))
+    with pytest.raises(InvalidRecordError, match=r"final has shape \(4, 8\); expected \(3, 8\)"):
+        make_record(aux=np.zeros((3, 3, 8), dtype=np.uint16))  # aux and final must agree
+    with pytest.raises(InvalidRecordError, match=r"got 0 rows"):
+        make_record(token_ids=np.arange(1, dtype=np.int32), loss_spans=(),
+                    aux=np.zeros((0, 3, 8), dtype=np.uint16), final=np.zeros((0, 8), dtype=np.uint16))

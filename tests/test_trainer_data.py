@@ -134,3 +134,20 @@ def test_dataset_refuses_records_the_draft_cannot_read() -> None:
         data.ShardDataset(config, capture_layers=(2, 5, 6))
     with pytest.raises(ValueError, match="model_fingerprint"):
         data.ShardDataset(config, model_fingerprint="LlamaForCausalLM:0000000000000000")
+
+
+def test_a_record_without_the_last_tokens_state_trains_like_a_prefill_capture_of_the_same_tokens() -> None:
+    prefill = hand_made_record(num_tokens=6, spans=((3, 6),))
+    generated = cf.CaptureRecord(
+        record_id="gen-0", sample_id="s", model_fingerprint="tiny@test", capture_layers=(1, 2), hidden_size=4,
+        dtype="float32", token_ids=prefill.token_ids, loss_spans=prefill.loss_spans,
+        aux=prefill.aux[:5], final=prefill.final[:5])
+    want, got = data.shift_record(prefill, max_length=100), data.shift_record(generated, max_length=100)
+    assert got["loss_mask"].tolist() == [False, True, True, True, False]  # the last token (15) is learned
+    assert got["label_ids"].tolist() == [12, 13, 14, 15, -1]
+    for name in ("aux", "input_ids", "loss_mask", "label_ids"):
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    # Only the masked last row differs: its target is the state the generated record never had.
+    np.testing.assert_array_equal(got["final"][:4], want["final"][:4])
+    assert got["final"][4].tolist() == [0, 0, 0, 0]
+    assert data.shift_record(generated, max_length=3)["final"][:, 0].tolist() == [1001, 1002, 1003]

@@ -22,6 +22,12 @@ r+2 lies past the record, so its mask is 0. Worked example, T = 5, loss span (2,
             label_ids   ids[r+2]     c    d    e    -1
             positions   r            0    1    2    3
 
+A record whose last token has no state (S = T - 1 rows of states: the server sampled that token and
+never ran a forward on it) gives the same T - 1 rows. Only its last row, r = T - 2, would read the
+missing final[T - 1]; that row predicts token T, past the record, so its mask is 0 and its target is
+never read: it gets zeros. aux[T - 1] is never read by any record. So such a record trains exactly
+like a prefill capture of the same T tokens, including on its last token (often the end of turn).
+
 Test-time-training step i (trainer/ttt.py) reads row r + i of the same record for input ids,
 targets and mask, at position r + i, with the draft's own hidden state of row r.
 
@@ -81,10 +87,13 @@ def shift_record(record: cf.CaptureRecord, max_length: int) -> dict[str, np.ndar
     num_rows = min(record.num_tokens - 1, max_length)
     ids = record.token_ids.astype(np.int64)
     mask_past_end = np.append(record.loss_mask(), 0)  # (T + 1,): the token after the record is never learned
+    final = record.final[1 : num_rows + 1]
+    if final.shape[0] < num_rows:  # the last token has no state (captured while generating): see below
+        final = np.concatenate([final, np.zeros_like(record.final[:1])])
     return {
         "aux": record.aux[:num_rows].reshape(num_rows, -1),  # (n, K*H): target states at r
         "input_ids": ids[1 : num_rows + 1],  # (n,): token r+1
-        "final": record.final[1 : num_rows + 1],  # (n, H): its logits are the target distribution of token r+2
+        "final": final,  # (n, H): its logits are the target distribution of token r+2
         "loss_mask": mask_past_end[2 : num_rows + 2].astype(bool),  # (n,): learn token r+2?
         "label_ids": np.append(ids, -1)[2 : num_rows + 2],  # (n,): token r+2, -1 past the end
     }

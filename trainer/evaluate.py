@@ -188,6 +188,9 @@ def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | N
         progress.update(len(batch["record_ids"]))
         counted = batch["loss_mask"] & (batch["doc_ids"] >= 0)  # (B, S): start rows
         target_argmax = (batch["final"].float() @ trained.target_lm_head.float().T).argmax(-1)  # (B, S)
+        # A row whose token r+2 lies past its record has no target to match (for a record captured while
+        # generating, not even a state: data.shift_record), so a chain never matches there.
+        target_argmax = torch.where(batch["label_ids"] >= 0, target_argmax, -1)
         wanted_all = shifted_target_argmax(target_argmax, batch["doc_ids"], steps)  # (B, S, J)
         wanted = wanted_all[counted]  # (N, J)
         for name, objective in (("draft", trained), ("untrained", untrained)):
