@@ -5,10 +5,20 @@
                                  "spans": [[12, 30], [41, 55]], "meta": {"source": "demo"}}}}
 ```
 
-The SGLang plugin captures a request if and only if this key is present, and refuses (counts, never
-raises into the server) a tag whose fields break the record rules. Spans are half-open token ranges of
-the loss mask (assistant tokens) over the full sequence sent as `input_ids`; the plugin checks them
-against the real sequence length when the record is complete.
+The SGLang plugin captures a tagged request, and refuses (counts, never raises into the server) a tag
+whose fields break the record rules. Spans are half-open token ranges of the loss mask (assistant
+tokens) over the full sequence sent as `input_ids`; the plugin checks them against the real sequence
+length when the record is complete.
+
+`"mode"` says which forward passes the record is made of:
+- `"prefill"` (the default): the prompt's rows only; the record is the prompt, emitted when its
+  prefill ends (the answer, if any was generated, is not part of it);
+- `"generate"`: the prompt's rows and one row per decode step, emitted when the request finishes.
+  The record is prompt + generated tokens; the generated tokens are added to the loss spans, and the
+  last one has no state (no forward ran on it: `records.py`).
+
+A request (tagged or not) opts out of live sampling (`EAGLE_TAP_LIVE_SAMPLE_RATE`) with
+`{"custom_params": {"eagle_tap": {"opt_out": true}}}`.
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ from capture_format.errors import InvalidRecordError
 from capture_format.records import MAX_TOKENS, check_loss_spans, check_metadata, check_record_id, check_sample_id
 
 TAG_KEY = "eagle_tap"
+CAPTURE_MODES = ("prefill", "generate")
+_FIELDS = frozenset({"record_id", "sample_id", "spans", "meta", "mode"})
 
 
 class InvalidTagError(InvalidRecordError):
@@ -39,8 +51,13 @@ class CaptureTag:
     """Half-open [start, end) token ranges that are trained on (assistant tokens)."""
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Free JSON metadata stored with the record."""
+    mode: str = "prefill"
+    """"prefill": the prompt's rows, emitted after its prefill; "generate": prompt and decode rows, emitted
+    when the request finishes, with the generated tokens added to the loss spans."""
 
     def __post_init__(self) -> None:
+        if self.mode not in CAPTURE_MODES:
+            raise InvalidTagError(f"capture mode must be one of {', '.join(CAPTURE_MODES)}; got {self.mode!r}")
         check_record_id(self.record_id)
         check_sample_id(self.sample_id)
         # Bounded by the longest record here; the plugin checks them against the real length at emit time.
@@ -49,12 +66,15 @@ class CaptureTag:
 
     def to_custom_params(self) -> dict[str, Any]:
         """The `custom_params` dict to send with the request."""
-        return {TAG_KEY: {
+        body = {
             "record_id": self.record_id,
             "sample_id": self.sample_id,
             "spans": [list(span) for span in self.loss_spans],
             "meta": self.metadata,
-        }}
+        }
+        if self.mode != "prefill":
+            body["mode"] = self.mode
+        return {TAG_KEY: body}
 
     @classmethod
     def from_custom_params(cls, custom_params: object) -> "CaptureTag | None":
@@ -64,16 +84,28 @@ class CaptureTag:
         body = custom_params[TAG_KEY]
         if not isinstance(body, Mapping):
             raise InvalidTagError(f"custom_params[{TAG_KEY!r}] must be an object, got {type(body).__name__}")
-        unknown = sorted(set(body) - {"record_id", "sample_id", "spans", "meta"})
+        if set(body) == {"opt_out"}:
+            return None  # not a capture request: only a live-sampling opt-out (see `opted_out`)
+        unknown = sorted(set(body) - _FIELDS)
         if unknown:
-            raise InvalidTagError(f"unknown capture tag fields {unknown}; accepted: record_id, sample_id, spans, meta")
+            raise InvalidTagError(f"unknown capture tag fields {unknown}; accepted: {', '.join(sorted(_FIELDS))}"
+                                  " (or opt_out alone)")
         try:
             return cls(
                 record_id=body["record_id"],
                 sample_id=body.get("sample_id", body["record_id"]),
                 loss_spans=body.get("spans", ()),
                 metadata=body.get("meta") or {},
+                mode=body.get("mode", "prefill"),
             )
         except KeyError as missing:
             raise InvalidTagError(f"capture tag is missing {missing}") from None
 
+
+
+def opted_out(custom_params: object) -> bool:
+    """True when a request's `custom_params` ask never to be captured by live sampling."""
+    if not isinstance(custom_params, Mapping):
+        return False
+    body = custom_params.get(TAG_KEY)
+    return isinstance(body, Mapping) and body.get("opt_out") is True

@@ -3,32 +3,43 @@
 An EXTEND batch lays its rows out request by request in `batch.reqs` order; request `i` owns
 `extend_lens[i]` rows starting at the sum of the lengths before it, covering tokens
 `[prefix_lens[i], prefix_lens[i] + extend_lens[i])` of its sequence. Chunked prefill splits one
-request over several batches; its chunks are accumulated here and a record is emitted at the chunk
-that ends the sequence.
+request over several batches; its chunks are accumulated here. A DECODE batch has one row per
+request, in `batch.reqs` order: the state of the token the step reads (the last one sampled).
+
+A capture in "prefill" mode is emitted at the chunk that ends the prompt. One in "generate" mode
+(`capture_format.tag`) goes on taking one row per decode step and is emitted when its request
+finishes (`on_finished`, after the scheduler processed the batch): prompt + generated tokens, with
+states for all but the last token (no forward ran on it). A retracted request (its KV freed under
+memory pressure) is prefilled again later over prompt + tokens so far; the rows it already has are
+kept and only rows past them are taken from the new prefill.
 
 What must hold:
-- a record holds exactly the rows of its own request, for every token of the sequence, in order;
-  anything else (a first chunk with a cached prefix, a gap between chunks, a chunk that never comes)
-  drops the capture with a counted reason and never emits it;
+- a record holds exactly the rows of its own request, for every token of the sequence (but the
+  last, in generate mode), in order; anything else (a first chunk with a cached prefix, a gap, a
+  chunk that never comes, an aborted request, a row count that disagrees with the tokens at the
+  end) drops the capture with a counted reason and never emits it;
 - the only work done here is copying the captured rows off the device, once per forward for all
   captured requests (`device_copy.py`: never waits for the device on CUDA); compression and I/O
   happen in the sender thread;
 - every host buffer a dropped capture holds is released (a leaked pinned slab would starve capture);
-- untagged requests cost one dict lookup each.
+- requests that are not captured cost one dict lookup each; a DECODE batch costs nothing while no
+  generate capture is running.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-import zlib
 from collections.abc import Callable
 
 import torch
 
 from capture_format.tag import CaptureTag
 from sglang_patch.device_copy import HostCopier, HostRows, RowCopier
+from sglang_patch.selection import Selector, is_sampled
 from sglang_patch.stats import CaptureStats
+
+__all__ = ["CaptureAssembler", "CapturedSequence", "is_sampled"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -38,19 +49,25 @@ class CapturedSequence:
     tag: CaptureTag
     token_ids: list[int]
     chunks: list[HostRows]
+    loss_spans: tuple[tuple[int, int], ...]
+    """The tag's spans, plus the generated tokens in generate mode."""
+    num_states: int
+    """Rows of states: len(token_ids), or one fewer when the last token has none (generate mode)."""
 
     @property
     def raw_nbytes(self) -> int:
         return sum(chunk.nbytes for chunk in self.chunks) + 4 * len(self.token_ids)
 
     def states(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(aux (T, K*H), final (T, H)) on CPU, once every chunk's copy has landed. Views of the host
+        """(aux (S, K*H), final (S, H)) on CPU, once every chunk's copy has landed. Views of the host
         buffers while there is one chunk: read them before `release()`."""
         for chunk in self.chunks:
             chunk.wait()
         if len(self.chunks) == 1:
-            return self.chunks[0].aux, self.chunks[0].final
-        return torch.cat([chunk.aux for chunk in self.chunks]), torch.cat([chunk.final for chunk in self.chunks])
+            aux, final = self.chunks[0].aux, self.chunks[0].final
+        else:
+            aux, final = torch.cat([chunk.aux for chunk in self.chunks]), torch.cat([chunk.final for chunk in self.chunks])
+        return aux[: self.num_states], final[: self.num_states]
 
     def release(self) -> None:
         for chunk in self.chunks:
@@ -69,24 +86,19 @@ class _Partial:
             chunk.release()
 
 
-def is_sampled(record_id: str, sample_rate: float) -> bool:
-    """Deterministic per record id, so a re-sent request is sampled the same way."""
-    if sample_rate >= 1.0:
-        return True
-    return zlib.crc32(record_id.encode()) / 2**32 < sample_rate
-
-
 class CaptureAssembler:
-    """Turns the rows of EXTEND batches into complete `CapturedSequence`s, handed to `emit`."""
+    """Turns the rows of EXTEND and DECODE batches into complete `CapturedSequence`s, handed to `emit`."""
 
     def __init__(self, *, stats: CaptureStats, emit: Callable[[CapturedSequence], None],
-                 sample_rate: float = 1.0, partial_ttl_s: float = 600.0, copier: RowCopier | None = None) -> None:
+                 selector: Selector | None = None, partial_ttl_s: float = 600.0,
+                 copier: RowCopier | None = None) -> None:
         self._stats = stats
         self._copier = copier or HostCopier()
         self._emit = emit
-        self._sample_rate = sample_rate
+        self.selector = selector or Selector(stats=stats, sample_rate=1.0, live_sample_rate=0.0, ttl_s=partial_ttl_s)
         self._partial_ttl_s = partial_ttl_s
         self._partials: dict[str, _Partial] = {}
+        self._num_generating = 0  # partials in generate mode: decode batches are looked at only while > 0
         # Requests whose capture was dropped mid-way: their later chunks are ignored, not re-counted.
         self._abandoned: dict[str, float] = {}
         self._last_sweep = time.monotonic()
@@ -95,43 +107,88 @@ class CaptureAssembler:
     def num_partials(self) -> int:
         return len(self._partials)
 
+    @property
+    def generating(self) -> bool:
+        """Whether a generate-mode capture is running (decode rows and finishes matter)."""
+        return self._num_generating > 0
+
     def on_extend(self, reqs: list, prefix_lens: list[int], extend_lens: list[int],
                   aux: torch.Tensor, final: torch.Tensor) -> None:
-        """Take the rows of one EXTEND batch. aux: (rows, K*H), final: (rows, H), device tensors."""
+        """Take the rows of one EXTEND (or MIXED) batch. aux: (rows, K*H), final: (rows, H), device tensors."""
         now = time.monotonic()
         offset = 0
         taken: list[tuple[object, _Partial]] = []  # (req, partial) of each captured request, in batch order
         ranges: list[tuple[int, int]] = []  # its rows in aux and final
         for req, prefix_len, extend_len in zip(reqs, prefix_lens, extend_lens):
             start, offset = offset, offset + extend_len
-            tag = self._tag_of(req, first_chunk=prefix_len == 0)
-            if tag is None:
-                continue
             rid = req.rid
             partial = self._partials.get(rid)
-            if prefix_len == 0:
-                if partial is not None:
-                    self._stats.add("restarted")  # retracted and prefilled again from scratch
-                    partial.release()
-                self._abandoned.pop(rid, None)
-                partial = self._partials[rid] = _Partial(tag=tag, chunks=[], num_rows=0, updated_at=now)
-                self._stats.add("started")
-            elif partial is None:
-                if rid not in self._abandoned:
-                    self._abandon(rid, "cached_prefix", now)  # its first rows were never computed here
-                continue
-            elif partial.num_rows != prefix_len:
+            if partial is None:
+                tag = self.selector.take(rid)
+                if tag is None:
+                    continue  # not captured, or its capture was dropped already
+                if prefix_len > 0:  # its first rows were never computed here (a cache hit despite the salt)
+                    self._abandon(rid, "cached_prefix", now)
+                    continue
+                partial = self._start(rid, tag, now)
+            elif prefix_len == 0 and partial.num_rows > 0:
+                self._stats.add("restarted")  # retracted and prefilled again from scratch
+                self._restart(partial, now)
+            # Rows already held (a retracted request prefilled again) are not taken twice.
+            first_new = partial.num_rows - prefix_len
+            if first_new < 0:
                 self._abandon(rid, "gap", now)
                 continue
+            if first_new >= extend_len:
+                continue
             taken.append((req, partial))
-            ranges.append((start, offset))
+            ranges.append((start + first_new, offset))
         if taken:
-            self._copy(taken, ranges, aux, final, now)
+            self._copy(taken, ranges, aux, final, now, prefill=True)
         if now - self._last_sweep > 1.0:
             self._sweep(now)
 
+    def on_decode(self, reqs: list, aux: torch.Tensor, final: torch.Tensor) -> None:
+        """Take the rows of one DECODE batch: row i is the state of request i's newest token."""
+        now = time.monotonic()
+        taken: list[tuple[object, _Partial]] = []
+        ranges: list[tuple[int, int]] = []
+        for row, req in enumerate(reqs):
+            partial = self._partials.get(req.rid)
+            if partial is not None and partial.tag.mode == "generate":
+                taken.append((req, partial))
+                ranges.append((row, row + 1))
+        if taken:
+            self._copy(taken, ranges, aux, final, now, prefill=False)
+
+    def on_finished(self, reqs: list) -> None:
+        """After the scheduler processed a batch: emit (or drop) the generate captures whose request finished."""
+        for req in reqs:
+            partial = self._partials.get(req.rid)
+            if partial is None or partial.tag.mode != "generate" or not req.finished():
+                continue
+            self._remove(req.rid)
+            self._finish_generated(req, partial)
+
+    def _start(self, rid: str, tag: CaptureTag, now: float) -> _Partial:
+        self._abandoned.pop(rid, None)
+        partial = self._partials[rid] = _Partial(tag=tag, chunks=[], num_rows=0, updated_at=now)
+        self._num_generating += tag.mode == "generate"
+        self._stats.add("started")
+        return partial
+
+    def _restart(self, partial: _Partial, now: float) -> None:
+        partial.release()
+        partial.chunks, partial.num_rows, partial.updated_at = [], 0, now
+
+    def _remove(self, rid: str) -> _Partial | None:
+        partial = self._partials.pop(rid, None)
+        if partial is not None:
+            self._num_generating -= partial.tag.mode == "generate"
+        return partial
+
     def _copy(self, taken: list[tuple[object, _Partial]], ranges: list[tuple[int, int]],
-              aux: torch.Tensor, final: torch.Tensor, now: float) -> None:
+              aux: torch.Tensor, final: torch.Tensor, now: float, *, prefill: bool) -> None:
         # The only forward-path work: one copy of every captured request's rows off the device.
         copied = self._copier.copy(aux, final, ranges)
         if copied is None:  # no host buffer free: drop these captures rather than wait
@@ -142,42 +199,62 @@ class CaptureAssembler:
             partial.chunks.append(rows)
             partial.num_rows += rows.aux.shape[0]
             partial.updated_at = now
-            if partial.num_rows == len(req.full_untruncated_fill_ids):
-                del self._partials[req.rid]
-                self._finish(req, partial)
+            if prefill and partial.tag.mode == "prefill" and partial.num_rows == len(req.full_untruncated_fill_ids):
+                self._remove(req.rid)
+                self._finish_prefill(req, partial)
 
-    def _tag_of(self, req, *, first_chunk: bool) -> CaptureTag | None:
-        partial = self._partials.get(req.rid)
-        if partial is not None:
-            return partial.tag
-        custom_params = getattr(req.sampling_params, "custom_params", None)
-        if not custom_params:
-            return None
-        try:
-            tag = CaptureTag.from_custom_params(custom_params)
-        except ValueError:
-            if first_chunk:
-                self._stats.drop("invalid_tag")
-            return None
-        if tag is not None and not is_sampled(tag.record_id, self._sample_rate):
-            if first_chunk:
-                self._stats.add("sampled_out")
-            return None
-        return tag
-
-    def _finish(self, req, partial: _Partial) -> None:
+    def _finish_prefill(self, req, partial: _Partial) -> None:
         token_ids = list(req.full_untruncated_fill_ids)
         spans = partial.tag.loss_spans
         if spans and spans[-1][1] > len(token_ids):
             partial.release()
             self._stats.drop("spans_out_of_range")
             return
+        self._send(partial, token_ids, spans, len(token_ids))
+
+    def _finish_generated(self, req, partial: _Partial) -> None:
+        """The record of a finished request: prompt + generated tokens, states for all but the last."""
+        reason = type(getattr(req, "finished_reason", None)).__name__
+        if reason == "FINISH_ABORT":
+            partial.release()
+            self._stats.drop("aborted")
+            return
+        prompt = list(req.origin_input_ids)
+        generated = list(req.output_ids if req.finished_len is None else req.output_ids[: req.finished_len])
+        if not generated:
+            partial.release()
+            self._stats.drop("nothing_generated")
+            return
+        token_ids = prompt + generated
+        num_states = len(token_ids) - 1
+        spans = partial.tag.loss_spans
+        if spans and spans[-1][1] > len(prompt):
+            partial.release()
+            self._stats.drop("spans_out_of_range")
+            return
+        # Rows past num_states come from forwards after the finishing one (the overlap scheduler may run
+        # one more step before it learns the request is done); fewer mean a step was never captured.
+        if partial.num_rows < num_states:
+            partial.release()
+            self._stats.drop("missing_rows")
+            return
+        if spans and spans[-1][1] == len(prompt):
+            spans = (*spans[:-1], (spans[-1][0], len(token_ids)))
+        else:
+            spans = (*spans, (len(prompt), len(token_ids)))
+        self._send(partial, token_ids, spans, num_states)
+
+    def _send(self, partial: _Partial, token_ids: list[int], spans: tuple[tuple[int, int], ...],
+              num_states: int) -> None:
         self._stats.add("captured")
         self._stats.add("captured_tokens", len(token_ids))
-        self._emit(CapturedSequence(tag=partial.tag, token_ids=token_ids, chunks=partial.chunks))
+        if partial.tag.metadata.get("source") == "live":
+            self._stats.add("captured_live")
+        self._emit(CapturedSequence(tag=partial.tag, token_ids=token_ids, chunks=partial.chunks,
+                                    loss_spans=spans, num_states=num_states))
 
     def _abandon(self, rid: str, reason: str, now: float) -> None:
-        partial = self._partials.pop(rid, None)
+        partial = self._remove(rid)
         if partial is not None:
             partial.release()
         self._abandoned[rid] = now

@@ -3,8 +3,13 @@
 SGLang calls it as `hook(result, worker, batch, ...)` after every forward; it returns None, so the
 result is passed on unchanged. On its first call it decides once whether this process captures:
 SGLang's aux capture must be on, and this must be the sending rank (attention-TP rank 0 and
-context-parallel rank 0; each data-parallel group sends its own). Every later call that is not an
-EXTEND (or MIXED) batch returns at once.
+context-parallel rank 0; each data-parallel group sends its own). EXTEND and MIXED batches go to the
+assembler; DECODE batches only while a generate-mode capture runs; every other call returns at once.
+
+The same object holds two more hooks of the scheduler process (`plugin.py` registers them):
+`on_request`, BEFORE `Scheduler.handle_generate_request` (which requests are captured: `selection.py`),
+and `on_batch_processed`, AFTER `Scheduler.process_batch_result` (generate captures whose request
+finished are emitted).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from capture_format import CodecError, capture_layers_from_sglang_ids, codec_for
 from capture_format.fingerprint import model_fingerprint_or_marker
 from sglang_patch.capture import CaptureAssembler
 from sglang_patch.device_copy import CudaRowCopier, HostCopier, RowCopier
+from sglang_patch.selection import Selector
 from sglang_patch.sender import ModelIdentity, Sender, record_dtype
 from sglang_patch.settings import CaptureSettings
 from sglang_patch.spool import Spool, SpoolDirectoryError, check_private_directory
@@ -45,6 +51,8 @@ class CaptureHook:
     def __init__(self, settings: CaptureSettings) -> None:
         self._settings = settings
         self.stats = CaptureStats()
+        self.selector = Selector(stats=self.stats, sample_rate=settings.sample_rate,
+                                 live_sample_rate=settings.live_sample_rate, ttl_s=settings.partial_ttl_s)
         self._assembler: CaptureAssembler | None = None
         self.sender: Sender | None = None
         self._disabled = False
@@ -62,7 +70,11 @@ class CaptureHook:
                     self._disable(f"start-up failed: {type(error).__name__}: {error}")
                 if self._disabled:
                     return None
-            if batch is None or batch.forward_mode.name not in _CAPTURED_MODES:
+            if batch is None:
+                return None
+            mode = batch.forward_mode.name
+            decode = mode == "DECODE"
+            if not (decode and self._assembler.generating) and mode not in _CAPTURED_MODES:
                 return None
             logits_output = result.logits_output
             aux = getattr(logits_output, "hidden_states", None)
@@ -71,7 +83,10 @@ class CaptureHook:
                 self.stats.add("batches_without_states")
                 return None
             started_ns, started_cpu_ns = time.perf_counter_ns(), time.thread_time_ns()
-            self._assembler.on_extend(batch.reqs, batch.prefix_lens, batch.extend_lens, aux, final)
+            if decode:
+                self._assembler.on_decode(batch.reqs, aux, final)
+            else:
+                self._assembler.on_extend(batch.reqs, batch.prefix_lens, batch.extend_lens, aux, final)
             # What the scheduler's thread spends on capture per forward (hook + device copy).
             self.stats.add("hook_ns", time.perf_counter_ns() - started_ns)
             self.stats.add("hook_cpu_ns", time.thread_time_ns() - started_cpu_ns)  # not counting preemption
@@ -80,6 +95,32 @@ class CaptureHook:
             if not self._error_logged:
                 self._error_logged = True
                 logger.exception("eagle-tap capture hook failed (serving is unaffected; further errors only counted)")
+        return None
+
+    def on_request(self, scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> None:
+        """BEFORE `Scheduler.handle_generate_request`: decide whether this request is captured."""
+        if self._disabled:
+            return None
+        try:
+            self.selector.on_request(recv_req)
+        except Exception:
+            self.stats.add("hook_errors")
+            if not self._error_logged:
+                self._error_logged = True
+                logger.exception("eagle-tap request hook failed (serving is unaffected; further errors only counted)")
+        return None  # the arguments go on unchanged (but for the cache salt of a selected request)
+
+    def on_batch_processed(self, result: Any, scheduler: Any, batch: Any = None, *args: Any, **kwargs: Any) -> None:
+        """AFTER `Scheduler.process_batch_result`: emit the generate captures whose request just finished."""
+        if self._disabled or self._assembler is None or batch is None or not self._assembler.generating:
+            return None
+        try:
+            self._assembler.on_finished(batch.reqs)
+        except Exception:
+            self.stats.add("hook_errors")
+            if not self._error_logged:
+                self._error_logged = True
+                logger.exception("eagle-tap finish hook failed (serving is unaffected; further errors only counted)")
         return None
 
     def _disable(self, why: str) -> None:
@@ -138,10 +179,8 @@ class CaptureHook:
             return
         self.sender = Sender(settings=self._settings, model=model, stats=self.stats, spool=spool,
                              stats_path=self._settings.stats_path or spool.directory / "stats.json")
-        self._assembler = CaptureAssembler(stats=self.stats, emit=self.sender.submit,
-                                           sample_rate=self._settings.sample_rate,
-                                           partial_ttl_s=self._settings.partial_ttl_s,
-                                           copier=copier)
+        self._assembler = CaptureAssembler(stats=self.stats, emit=self.sender.submit, selector=self.selector,
+                                           partial_ttl_s=self._settings.partial_ttl_s, copier=copier)
         self.stats.status = "capturing"
         atexit.register(self.sender.close)
         logger.info("eagle-tap capturing layers %s (hidden %d, %s states, codec %s, %s) to %s", capture_layers,

@@ -11,7 +11,11 @@ does nothing. Otherwise, on a tested SGLang version, it registers:
    SGLang resets the speculative algorithm to None (no draft runs) and keeps the post-norm final state.
    A user who passes those flags explicitly keeps them; capture layers are then derived from them.
 2. an AFTER hook on `TpModelWorker.forward_batch_generation` (schedulers), which hands the rows of each
-   EXTEND batch to the `CaptureAssembler`; only attention-TP rank 0 (and context-parallel rank 0) ships.
+   EXTEND batch (and DECODE batch, while a generate capture runs) to the `CaptureAssembler`; only
+   attention-TP rank 0 (and context-parallel rank 0) ships;
+3. a BEFORE hook on `Scheduler.handle_generate_request`, which decides per request whether it is
+   captured before it is scheduled (`selection.py`), and an AFTER hook on
+   `Scheduler.process_batch_result`, which emits generate captures whose request finished.
 
 Nothing here raises into SGLang: every failure is logged, counted and turns capture off, never serving.
 """
@@ -35,6 +39,8 @@ from sglang_patch.settings import CaptureSettings, load_settings
 logger = logging.getLogger("eagle_tap.plugin")
 
 FORWARD_TARGET = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
+REQUEST_TARGET = "sglang.srt.managers.scheduler.Scheduler.handle_generate_request"
+PROCESSED_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 RESOLUTION_STEP = "handle_return_hidden_states_mode"
 
 _registered = False
@@ -63,7 +69,10 @@ def register() -> None:
         from sglang_patch.forward_hook import CaptureHook
 
         register_resolution_hook(RESOLUTION_STEP)(functools.partial(enable_aux_capture, settings=settings))
-        HookRegistry.register(FORWARD_TARGET, CaptureHook(settings), HookType.AFTER)
+        hook = CaptureHook(settings)
+        HookRegistry.register(FORWARD_TARGET, hook, HookType.AFTER)
+        HookRegistry.register(REQUEST_TARGET, hook.on_request, HookType.BEFORE)
+        HookRegistry.register(PROCESSED_TARGET, hook.on_batch_processed, HookType.AFTER)
         logger.info("eagle-tap capture plugin registered; collector %s", settings.collector_url)
     except Exception:
         logger.exception("eagle-tap capture disabled: the plugin failed to register; serving is unaffected")

@@ -66,9 +66,9 @@ def record_dtype(dtype: torch.dtype) -> str | None:
 
 def to_record(captured: CapturedSequence, model: ModelIdentity) -> CaptureRecord:
     """The record of a capture; its arrays are views of the capture's host buffers (encode before release)."""
-    aux_rows, final_rows = captured.states()  # (T, K*H), (T, H)
+    aux_rows, final_rows = captured.states()  # (S, K*H), (S, H); S = T, or T - 1 in generate mode
     dtype_name, view_dtype, numpy_dtype = _STATE_DTYPES[aux_rows.dtype]
-    num_tokens, num_layers = len(captured.token_ids), len(model.capture_layers)
+    num_states, num_layers = captured.num_states, len(model.capture_layers)
     aux = aux_rows.view(view_dtype).numpy().view(numpy_dtype)
     final = final_rows.view(view_dtype).numpy().view(numpy_dtype)
     return CaptureRecord(
@@ -79,9 +79,9 @@ def to_record(captured: CapturedSequence, model: ModelIdentity) -> CaptureRecord
         hidden_size=model.hidden_size,
         dtype=dtype_name,
         token_ids=np.asarray(captured.token_ids, dtype=np.int32),
-        loss_spans=captured.tag.loss_spans,
-        aux=aux.reshape(num_tokens, num_layers, model.hidden_size),  # (T, K, H)
-        final=final.reshape(num_tokens, model.hidden_size),  # (T, H)
+        loss_spans=captured.loss_spans,
+        aux=aux.reshape(num_states, num_layers, model.hidden_size),  # (S, K, H)
+        final=final.reshape(num_states, model.hidden_size),  # (S, H)
         metadata=captured.tag.metadata,
     )
 

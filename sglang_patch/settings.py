@@ -43,6 +43,9 @@ class CaptureSettings(BaseSettings):
     """Bound of copied-but-not-yet-sent raw bytes held in memory; past it records are dropped and counted."""
     sample_rate: float = Field(default=1.0, ge=0.0, le=1.0)
     """Fraction of tagged requests captured, chosen by a hash of the record id (deterministic)."""
+    live_sample_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Fraction of untagged generate requests captured in one pass (prompt and answer), chosen by a hash of
+    the request id; 0 turns live capture off. Stores the token ids of users' requests: see the README."""
     partial_ttl_s: float = Field(default=600.0, gt=0)
     """A chunked capture whose next chunk has not come within this time is dropped (e.g. an abort)."""
     send_timeout_s: float = Field(default=30.0, gt=0)

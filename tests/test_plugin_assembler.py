@@ -13,6 +13,7 @@ import torch
 
 from capture_format.tag import CaptureTag
 from sglang_patch.capture import CaptureAssembler, is_sampled
+from sglang_patch.selection import Selector, live_record_id
 from sglang_patch.stats import CaptureStats
 
 HIDDEN = 4
@@ -39,11 +40,32 @@ def batch(chunks):
             torch.cat(auxes), torch.cat(finals))
 
 
+def arrival(req, cache_salt=None):
+    """What the BEFORE hook on Scheduler.handle_generate_request sees of a request."""
+    return SimpleNamespace(rid=req.rid, sampling_params=req.sampling_params, cache_salt=cache_salt,
+                           input_embeds=None, mm_inputs=None)
+
+
+class ArrivingAssembler(CaptureAssembler):
+    """The scheduler's order of events: a request reaches the selector before its first forward."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.seen: set[str] = set()
+
+    def on_extend(self, reqs, *rest) -> None:
+        for req in reqs:
+            if req.rid not in self.seen:
+                self.seen.add(req.rid)
+                self.selector.on_request(arrival(req))
+        super().on_extend(reqs, *rest)
+
+
 @pytest.fixture
 def assembler():
     emitted = []
     stats = CaptureStats()
-    return CaptureAssembler(stats=stats, emit=emitted.append), emitted, stats
+    return ArrivingAssembler(stats=stats, emit=emitted.append), emitted, stats
 
 
 def check_record(captured, number: int, length: int):
@@ -104,7 +126,7 @@ def test_partials_that_never_finish_expire(monkeypatch):
     clock = [1000.0]
     monkeypatch.setattr("sglang_patch.capture.time.monotonic", lambda: clock[0])
     emitted, stats = [], CaptureStats()
-    asm = CaptureAssembler(stats=stats, emit=emitted.append, partial_ttl_s=5.0)
+    asm = ArrivingAssembler(stats=stats, emit=emitted.append, partial_ttl_s=5.0)
     asm.on_extend(*batch([(make_req(1, 10), 1, 0, 4)]))
     clock[0] += 10.0
     asm.on_extend(*batch([(make_req(2, 2, tagged=False), 2, 0, 2)]))
@@ -147,3 +169,143 @@ def test_stats_summary_names_counts_and_drop_reasons():
     line = stats.summary()
     assert line.startswith("eagle-tap capture [capturing]:")
     assert "captured=3" in line and "sent=2" in line and "spooled=0" in line and "'spool_full': 1" in line
+
+
+# Generate mode: prompt rows, one row per decode step, one record when the request finishes ----------
+
+
+class GeneratingReq(SimpleNamespace):
+    """A request as the scheduler holds it while generating: outputs grow after each processed batch."""
+
+    def __init__(self, number: int, prompt_len: int, *, tag: CaptureTag | None = None, custom_params=None):
+        tag = tag or CaptureTag(record_id=f"rec-{number}", sample_id=f"s-{number}", loss_spans=(), mode="generate")
+        params = custom_params if custom_params is not None else tag.to_custom_params()
+        prompt = list(range(100 * number, 100 * number + prompt_len))
+        super().__init__(rid=f"rid-{number}", origin_input_ids=prompt, output_ids=[], finished_len=None,
+                         finished_reason=None, sampling_params=SimpleNamespace(custom_params=params))
+
+    @property
+    def full_untruncated_fill_ids(self):
+        return self.origin_input_ids + self.output_ids
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+
+def decode_rows(numbered_reqs):
+    """A DECODE batch: one row per request, the state of its newest token (position len(tokens) - 1)."""
+    auxes, finals = zip(*(rows(number, len(req.full_untruncated_fill_ids) - 1, 1) for req, number in numbered_reqs))
+    return [req for req, _ in numbered_reqs], torch.cat(auxes), torch.cat(finals)
+
+
+def sample(asm, reqs, finish: set[str] = frozenset(), reason: str = "FINISH_LENGTH"):
+    """The scheduler processes the batch: each request gains a token; some finish."""
+    for req in reqs:
+        req.output_ids.append(9000 + len(req.output_ids))
+        if req.rid in finish:
+            req.finished_reason = type(reason, (), {})()
+    asm.on_finished(reqs)
+
+
+def test_a_generate_capture_has_prompt_and_decode_rows_and_no_state_for_its_last_token(assembler):
+    asm, emitted, stats = assembler
+    a, b = GeneratingReq(1, 5), GeneratingReq(2, 3)
+    asm.on_extend(*batch([(a, 1, 0, 5), (b, 2, 0, 3)]))
+    sample(asm, [a, b])
+    assert emitted == [] and asm.generating
+    for step in range(3):
+        asm.on_decode(*decode_rows([(a, 1), (b, 2)]))
+        sample(asm, [a, b], finish={"rid-2"} if step == 0 else {"rid-1"} if step == 2 else set())
+    assert [captured.tag.record_id for captured in emitted] == ["rec-2", "rec-1"]
+    for captured, number, prompt_len, generated in ((emitted[1], 1, 5, 4), (emitted[0], 2, 3, 2)):
+        tokens = prompt_len + generated
+        assert captured.token_ids == list(range(100 * number, 100 * number + prompt_len)) + \
+            [9000 + i for i in range(generated)]
+        assert captured.num_states == tokens - 1 and captured.loss_spans == ((prompt_len, tokens),)
+        aux, final = captured.states()
+        expected_aux, expected_final = rows(number, 0, tokens - 1)
+        assert torch.equal(aux, expected_aux) and torch.equal(final, expected_final)
+    assert not asm.generating and asm.num_partials == 0 and stats.snapshot()["captured"] == 2
+
+
+def test_given_spans_are_kept_and_joined_to_the_generated_tokens(assembler):
+    asm, emitted, _ = assembler
+    touching = GeneratingReq(1, 4, tag=CaptureTag(record_id="r1", sample_id="s", loss_spans=((1, 4),), mode="generate"))
+    apart = GeneratingReq(2, 4, tag=CaptureTag(record_id="r2", sample_id="s", loss_spans=((0, 2),), mode="generate"))
+    asm.on_extend(*batch([(touching, 1, 0, 4), (apart, 2, 0, 4)]))
+    sample(asm, [touching, apart], finish={"rid-1", "rid-2"})  # finished in its prefill: one token, no decode
+    assert [captured.loss_spans for captured in emitted] == [((1, 5),), ((0, 2), (4, 5))]
+    assert [captured.num_states for captured in emitted] == [4, 4]
+
+
+def test_an_aborted_generation_and_one_missing_a_step_are_dropped_not_stored(assembler):
+    asm, emitted, stats = assembler
+    aborted, skipped = GeneratingReq(1, 3), GeneratingReq(2, 3)
+    asm.on_extend(*batch([(aborted, 1, 0, 3), (skipped, 2, 0, 3)]))
+    sample(asm, [aborted, skipped])
+    asm.on_decode(*decode_rows([(aborted, 1)]))  # the second request's step is never seen
+    sample(asm, [aborted], finish={"rid-1"}, reason="FINISH_ABORT")
+    sample(asm, [skipped], finish={"rid-2"})
+    assert emitted == [] and stats.snapshot()["dropped"] == {"aborted": 1, "missing_rows": 1}
+    assert not asm.generating
+
+
+def test_a_retracted_generation_keeps_its_rows_and_takes_only_new_ones_from_the_new_prefill(assembler):
+    asm, emitted, stats = assembler
+    req, other = GeneratingReq(1, 4), GeneratingReq(2, 4)
+    asm.on_extend(*batch([(req, 1, 0, 4), (other, 2, 0, 4)]))
+    sample(asm, [req, other])
+    asm.on_decode(*decode_rows([(req, 1), (other, 2)]))
+    sample(asm, [req, other])  # req: 4 prompt + 2 generated tokens, 5 rows
+    # Retracted, then prefilled again over all 6 tokens: once with 3 cached (rows 3..5 recomputed),
+    asm.on_extend(*batch([(req, 1, 3, 3)]))
+    # and the other from scratch.
+    asm.on_extend(*batch([(other, 2, 0, 6)]))
+    sample(asm, [req, other], finish={"rid-1", "rid-2"})
+    assert stats.snapshot()["restarted"] == 1
+    for captured, number in zip(emitted, (1, 2)):
+        assert len(captured.token_ids) == 7 and captured.num_states == 6
+        aux, _ = captured.states()
+        assert torch.equal(aux, rows(number, 0, 6)[0])
+
+
+def test_decode_batches_cost_nothing_without_a_generate_capture(assembler):
+    asm, emitted, _ = assembler
+    prefill_only = make_req(1, 3)
+    asm.on_extend(*batch([(prefill_only, 1, 0, 3)]))
+    assert len(emitted) == 1 and not asm.generating  # a prefill capture is done at its prefill's end
+
+
+def test_live_sampling_is_deterministic_skips_health_checks_and_opt_outs_and_salts_only_selected_requests():
+    stats = CaptureStats()
+    selector = Selector(stats=stats, sample_rate=1.0, live_sample_rate=0.3)
+    plain = SimpleNamespace(custom_params=None)
+    requests = [SimpleNamespace(rid=f"{i:032x}", sampling_params=plain, cache_salt=None, input_embeds=None,
+                                mm_inputs=None) for i in range(2000)]
+    for request in requests:
+        selector.on_request(request)
+    chosen = {request.rid for request in requests if request.cache_salt is not None}
+    assert 500 < len(chosen) < 700 and chosen == {rid for rid in (r.rid for r in requests) if is_sampled(rid, 0.3)}
+    assert all(request.cache_salt == f"eagle-tap:{request.rid}" for request in requests if request.rid in chosen)
+    rid = sorted(chosen)[0]
+    tag = selector.take(rid)
+    assert tag.mode == "generate" and tag.metadata == {"source": "live", "live_sample_rate": 0.3}
+    assert tag.record_id == f"live-{rid}" and selector.take(rid) is None  # taken once
+    # Never: health checks, opted-out requests, requests given as embeddings; their salt is left alone.
+    health = SimpleNamespace(rid=f"HEALTH_CHECK_{rid}", sampling_params=plain, cache_salt=None, input_embeds=None,
+                             mm_inputs=None)
+    opted = SimpleNamespace(rid=rid, sampling_params=SimpleNamespace(custom_params={"eagle_tap": {"opt_out": True}}),
+                            cache_salt="user-salt", input_embeds=None, mm_inputs=None)
+    embeds = SimpleNamespace(rid=rid, sampling_params=plain, cache_salt=None, input_embeds=[[0.0]], mm_inputs=None)
+    for request in (health, opted, embeds):
+        selector.on_request(request)
+    assert (health.cache_salt, opted.cache_salt, embeds.cache_salt) == (None, "user-salt", None)
+    snapshot = stats.snapshot()
+    assert snapshot["live_opted_out"] == 1 and snapshot["live_skipped_not_token_ids"] == 1
+    assert snapshot["live_selected"] == len(chosen)
+
+
+def test_live_record_ids_are_valid_for_any_request_id():
+    assert live_record_id("0a1b") == "live-0a1b"
+    unsafe = live_record_id("../x y" * 40)
+    assert unsafe.startswith("live-") and len(unsafe) == 5 + 16

@@ -107,22 +107,18 @@ def test_concurrent_tagged_and_untagged_requests_are_not_mixed_up(capture_server
     assert stats["captured"] == num_records and stats["dropped"] == {}
 
 
-def test_repeated_prompt_with_fresh_salt_is_captured_whole_and_a_cached_prefix_is_dropped(
-        capture_server, collector, tokenizer):
+def test_a_tagged_prompt_already_in_the_radix_cache_is_still_captured_whole(capture_server, collector, tokenizer):
     server, spool_dir = capture_server
     ids = prompt_ids(tokenizer, 99, 50)
     generate(server, ids, max_new_tokens=1, cache_salt="shared-salt")  # warms the radix cache
-    first = generate(server, ids, record_id="salted-a")  # fresh salt
-    second = generate(server, ids, record_id="salted-b")
-    assert first["meta_info"]["cached_tokens"] == 0 and second["meta_info"]["cached_tokens"] == 0
-    for record_id in ("salted-a", "salted-b"):
+    untagged = generate(server, ids, max_new_tokens=1, cache_salt="shared-salt")
+    assert untagged["meta_info"]["cached_tokens"] > 0  # requests not captured keep their cache hits
+    # The plugin gives each captured request its own cache namespace, whatever salt it came with.
+    for record_id, salt in (("salted-a", "fresh"), ("salted-b", "shared-salt"), ("salted-c", None)):
+        answer = generate(server, ids, record_id=record_id, cache_salt=salt)
+        assert answer["meta_info"]["cached_tokens"] == 0, record_id
         assert stored_record(collector, record_id).token_ids.tolist() == ids
-
-    dropped_before = read_stats(spool_dir).get("dropped", {}).get("cached_prefix", 0)
-    reused = generate(server, ids, record_id="salted-c", cache_salt="shared-salt")
-    assert reused["meta_info"]["cached_tokens"] > 0
-    wait_for(lambda: read_stats(spool_dir).get("dropped", {}).get("cached_prefix", 0) == dropped_before + 1,
-             10, "the cached-prefix drop to be counted")
+    assert read_stats(spool_dir).get("dropped", {}).get("cached_prefix", 0) == 0
 
 
 def test_chunked_prefill_gives_the_same_record(start_sglang, tiny_model_dir, collector, capture_server, tokenizer,

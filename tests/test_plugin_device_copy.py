@@ -83,7 +83,7 @@ def test_states_wait_for_every_copy_before_reading() -> None:
         aux, final = torch.zeros(2, 4), torch.zeros(2, 2)
         chunks.append(HostRows(aux=aux, final=final, ready=landing(aux, value)))
     captured = CapturedSequence(tag=CaptureTag(record_id="r", sample_id="s", loss_spans=()), token_ids=[1, 2, 3, 4],
-                                chunks=chunks)
+                                chunks=chunks, loss_spans=(), num_states=4)
     aux, _ = captured.states()
     assert landed == [1.0, 2.0]
     assert aux[:2].eq(1.0).all() and aux[2:].eq(2.0).all()
@@ -99,6 +99,13 @@ class Req:
             custom_params = tag.to_custom_params()
 
         self.sampling_params = SamplingParams()
+        self.cache_salt = self.input_embeds = self.mm_inputs = None
+
+
+def arrive(assembler: CaptureAssembler, *reqs: Req) -> None:
+    """The BEFORE hook on the scheduler's request handler selects each request before its first forward."""
+    for req in reqs:
+        assembler.selector.on_request(req)
 
 
 @pytest.mark.parametrize("capacity_bytes", [0, 1 << 20])
@@ -107,6 +114,7 @@ def test_a_full_pool_drops_the_forwards_captures_and_keeps_nothing(capacity_byte
     stats, emitted = CaptureStats(), []
     assembler = CaptureAssembler(stats=stats, emit=emitted.append, copier=PooledRowCopier(pool))
     reqs = [Req("a", 3), Req("b", 2)]
+    arrive(assembler, *reqs)
     aux, final = torch.randn(5, 8).to(torch.bfloat16), torch.randn(5, 4).to(torch.bfloat16)
     assembler.on_extend(reqs, [0, 0], [3, 2], aux, final)
     if capacity_bytes == 0:
@@ -125,6 +133,7 @@ def test_a_dropped_chunked_capture_gives_its_slab_back() -> None:
     stats = CaptureStats()
     assembler = CaptureAssembler(stats=stats, emit=lambda captured: None, copier=PooledRowCopier(pool))
     req = Req("chunked", 6)
+    arrive(assembler, req)
     aux, final = torch.randn(3, 8).to(torch.bfloat16), torch.randn(3, 4).to(torch.bfloat16)
     assembler.on_extend([req], [0], [3], aux, final)
     assert pool.lent_bytes > 0
