@@ -82,6 +82,26 @@ def test_train_vocab_and_eval_on_a_missing_shards_folder_write_nothing(tmp_path:
     assert not vocab_out.exists()
 
 
+def test_train_names_an_unknown_or_mistyped_setting_and_writes_nothing(tmp_path: Path) -> None:
+    out_dir = tmp_path / "run"
+    path = _train_config(tmp_path, trainer_data.prepared_inputs()["train_shards"], out_dir)
+    config = json.loads(path.read_text())
+    config["data"]["batch_szie"] = config["data"].pop("batch_size")
+    path.write_text(json.dumps(config))
+    assert_one_line_error(run("train", "--config", str(path)), "train", str(path), "unknown setting data.batch_szie",
+                          "accepted in data: shards, batch_size, max_length")
+    config["data"]["batch_size"] = config["data"].pop("batch_szie")
+    toml = tmp_path / "run.toml"  # the same settings as TOML, with a number in quotes
+    top_level = [f"{key} = {json.dumps(value)}" for key, value in config.items() if not isinstance(value, dict)]
+    toml.write_text("\n".join([*top_level, "[data]", f"shards = {json.dumps(config['data']['shards'])}",
+                               'batch_size = "8"']) + "\n")
+    assert_one_line_error(run("train", "--config", str(toml)), "train", "data.batch_size: input should be a valid "
+                          "integer; got str '8'")
+    assert_one_line_error(run("train", "--config", str(toml), "data.batch_size=8", "num_steps=4.5"), "train",
+                          "num_steps: input should be a valid integer; got float 4.5")
+    assert not out_dir.exists(), "a config that does not fit must be refused before anything is written"
+
+
 def test_a_moved_run_folder_still_evaluates_and_exports(tmp_path: Path) -> None:
     inputs = trainer_data.prepared_inputs()
     training_shards = tmp_path / "train-shards"

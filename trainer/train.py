@@ -34,9 +34,11 @@ import torch
 from trainer import data, distributed, ttt
 from trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
 from trainer.config_io import config_from_dict, config_to_dict
+from trainer.data import Config as DataConfig
 from trainer.metrics import MetricsLog, write_plots
 from trainer.model import Config as ModelConfig
 from trainer.model import Eagle3Draft, trainable_state_dict
+from trainer.ttt import Config as ObjectiveConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -69,8 +71,8 @@ class Config:
     """Vocab mapping directory (`eagle-tap vocab`)."""
     out_dir: str
     """Where checkpoints, metrics, plots and the final weights go."""
-    data: data.Config
-    objective: ttt.Config = field(default_factory=ttt.Config)
+    data: DataConfig
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     num_steps: int = 1000
     """Optimizer steps of the whole run (the schedule spans them)."""
@@ -282,7 +284,7 @@ def train_step(run: Run, batches: Iterator[dict[str, Any]]) -> tuple[dict[str, A
 def evaluate(run: Run, shards: str) -> dict[str, Any]:
     """Per-TTT-step accuracy over (up to eval_max_batches batches of) a held-out shard directory."""
     config, runtime = run.config, run.runtime
-    eval_data = data.Config(shards=shards, batch_size=config.data.batch_size, max_length=config.data.max_length,
+    eval_data = DataConfig(shards=shards, batch_size=config.data.batch_size, max_length=config.data.max_length,
                             packing=config.data.packing, shuffle=False)
     dataset = data.ShardDataset(eval_data, rank=runtime.rank, world_size=runtime.world_size, num_epochs=1,
                                 equal_per_rank=False, **run.expected)
