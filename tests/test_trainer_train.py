@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 from eagle_tap.cli import main
 from trainer.config_io import ConfigError, apply_overrides, config_from_dict, config_to_dict, load_config
 from trainer.metrics import read_metrics
-from trainer.train import Config, train
+from trainer.train import Config, build_optimizer, train
 
 sys.path.insert(0, str(Path(__file__).parent))
 import trainer_data  # noqa: E402
@@ -139,6 +140,23 @@ def test_a_run_folder_config_written_by_earlier_versions_still_loads() -> None:
     config = config_from_dict(Config, written)
     assert config.optimizer.betas == (0.9, 0.95) and config.data.max_length == 256 and config.num_threads == 1
     assert config_to_dict(config) == written
+
+
+def test_the_learning_rate_warms_up_from_the_first_step_and_ends_at_the_floor() -> None:
+    import torch
+
+    config = config_from_dict(Config, {
+        "target": "t", "draft_config": "d", "vocab": "v", "out_dir": "o", "data": {"shards": "s"}, "num_steps": 10,
+        "optimizer": {"learning_rate": 2.0, "warmup_steps": 4, "min_learning_rate_ratio": 0.1}})
+    optimizer, scheduler = build_optimizer(torch.nn.Linear(2, 2), config)  # any module: the schedule is the claim
+    rates = []
+    for _ in range(config.num_steps):
+        rates.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    cosine = [0.2 + 1.8 * 0.5 * (1 + math.cos(math.pi * done / 6)) for done in range(1, 7)]
+    assert rates == pytest.approx([0.5, 1.0, 1.5, 2.0, *cosine])  # peak at the last warmup step, floor at the last
+    assert all(later < earlier for earlier, later in zip(rates[3:], rates[4:]))
 
 
 @pytest.mark.gpu

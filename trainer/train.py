@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import random
 import time
 from collections.abc import Iterator
@@ -43,14 +42,14 @@ from trainer.ttt import Config as ObjectiveConfig
 
 @dataclass(kw_only=True, slots=True)
 class OptimizerConfig:
-    """AdamW with linear warmup and cosine decay."""
+    """AdamW with linear warmup and cosine decay (transformers' cosine schedule with a floor)."""
 
     learning_rate: float = 1e-4
     """Peak learning rate, reached after warmup_steps."""
     min_learning_rate_ratio: float = 0.1
-    """The cosine ends at learning_rate * this at num_steps."""
+    """The cosine ends at learning_rate * this, on the last of num_steps."""
     warmup_steps: int = 100
-    """Steps of linear warmup from 0 to learning_rate."""
+    """Steps of linear warmup to learning_rate (step k of them runs at k/warmup_steps of it)."""
     weight_decay: float = 0.0
     """Applied to matrices only, never to norms."""
     betas: tuple[float, ...] = (0.9, 0.95)
@@ -108,16 +107,6 @@ class Config:
     """Write the ids of the records each rank trained on to out_dir/record_ids.rank<r>.txt."""
 
 
-def learning_rate_factor(step: int, config: Config) -> float:
-    """Multiplier of the peak learning rate at step: linear warmup, then cosine to the floor."""
-    optimizer = config.optimizer
-    if step < optimizer.warmup_steps:
-        return (step + 1) / optimizer.warmup_steps
-    progress = (step - optimizer.warmup_steps) / max(1, config.num_steps - optimizer.warmup_steps)
-    floor = optimizer.min_learning_rate_ratio
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
 def build_objective(
     config: Config, runtime: distributed.Runtime
 ) -> tuple[ttt.Eagle3Objective, dict[str, Any], str]:
@@ -166,13 +155,22 @@ def initial_objective(run_config: dict[str, Any]) -> ttt.Eagle3Objective:
 def build_optimizer(
     draft: Eagle3Draft, config: Config
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (no weight decay on norms) and its learning-rate schedule: linear warmup, then cosine to the floor."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
     trained = [(name, p) for name, p in draft.named_parameters() if p.requires_grad]
     groups = [
         {"params": [p for _, p in trained if p.ndim >= 2], "weight_decay": config.optimizer.weight_decay},
         {"params": [p for _, p in trained if p.ndim < 2], "weight_decay": 0.0},
     ]
     optimizer = torch.optim.AdamW(groups, lr=config.optimizer.learning_rate, betas=tuple(config.optimizer.betas))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate_factor(step, config))
+    # transformers' schedule is 0 at its step 0; counting from 1 (last_epoch=0, which needs initial_lr) makes the
+    # k-th optimizer step run at its value at k: step 1 at learning_rate / warmup_steps, the last one at the floor.
+    for group in optimizer.param_groups:
+        group["initial_lr"] = group["lr"]
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, num_warmup_steps=config.optimizer.warmup_steps, num_training_steps=config.num_steps,
+        min_lr_rate=config.optimizer.min_learning_rate_ratio, last_epoch=0)
     return optimizer, scheduler
 
 
