@@ -25,6 +25,7 @@ from capture_format.shard_index import (
     parse_shard_file_name,
     shard_file_name,
 )
+from capture_format.tables import text_table
 
 __all__ = ["print_stats", "repair_directory", "verify_directory"]
 
@@ -94,9 +95,7 @@ def print_stats(data_dir: Path, *, out: TextIO) -> None:
             ("damaged shards", f"{len(shards.damaged):,} (not counted above; see `eagle-tap shards repair`)"),
         ]
         damaged = [f"  {item.reason}" for item in shards.damaged]
-    width = max(len(label) for label, _ in rows)
-    for label, value in rows:
-        print(f"{label:<{width}}  {value}", file=out)
+    print(text_table(rows, align="<<"), file=out)
     for line in damaged:
         print(line, file=out)
 
