@@ -1,4 +1,4 @@
-"""`eagle-tap shards verify|stats|repair DIR`: check, summarize and repair a shard directory (capture_format only).
+"""`eagle-tap shards verify|stats|repair --shards DIR`: check, summarize and repair shards (capture_format only).
 
 verify: every sealed shard against its index and every record's checksums (decoding it), indexes
 without a shard, and record ids stored twice. Open shards are listed, not read: the collector

@@ -39,20 +39,30 @@ def assert_one_line_error(result: subprocess.CompletedProcess, command: str, *ph
 
 @pytest.mark.parametrize("command", [["shards", "verify"], ["shards", "stats"]])
 def test_shard_tools_on_a_missing_folder(tmp_path: Path, command: list[str]) -> None:
-    result = run(*command, str(tmp_path / "nope"))
+    result = run(*command, "--shards", str(tmp_path / "nope"))
     assert_one_line_error(result, " ".join(command), "shards folder", "does not exist")
 
 
+def test_shard_tools_name_the_folder_with_shards_and_still_take_it_bare(tmp_path: Path) -> None:
+    usage = run("shards", "repair", "--help")
+    assert usage.returncode == 0 and "--shards DIR" in usage.stdout
+    bare = run("shards", "stats", str(tmp_path / "nope"))  # the form before --shards
+    assert_one_line_error(bare, "shards stats", "shards folder", "does not exist")
+    assert_one_line_error(run("shards", "verify"), "shards verify", "--shards is required")
+    assert_one_line_error(run("shards", "verify", "--shards", str(tmp_path), str(tmp_path)), "shards verify",
+                          "not allowed with argument --shards")
+
+
 def test_verify_on_an_empty_folder_warns_and_fails(tmp_path: Path) -> None:
-    result = run("shards", "verify", str(tmp_path))
+    result = run("shards", "verify", "--shards", str(tmp_path))
     assert result.returncode == 1
     assert "warning:" in result.stdout and "holds no shard files" in result.stdout and "OK" not in result.stdout
 
 
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:
-    result = run("--debug", "shards", "stats", str(tmp_path / "nope"))
+    result = run("--debug", "shards", "stats", "--shards", str(tmp_path / "nope"))
     assert result.returncode == 1 and "Traceback" in result.stderr and "ShardError" in result.stderr
-    after = run("shards", "stats", str(tmp_path / "nope"), "--debug")  # after the subcommand too
+    after = run("shards", "stats", "--shards", str(tmp_path / "nope"), "--debug")  # after the subcommand too
     assert after.returncode == 1 and "Traceback" in after.stderr
 
 
