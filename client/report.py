@@ -12,6 +12,8 @@ import sys
 import time
 from typing import Any
 
+from capture_format.tables import text_table
+
 __all__ = ["Progress", "RunStats", "format_summary"]
 
 MAX_ROW_MESSAGES = 20
@@ -86,5 +88,4 @@ def format_summary(totals: dict[str, Any], stats: RunStats) -> str:
                      f"{stats.num_samples_skipped:,} samples already confirmed"),
         ("wall time", f"{stats.wall_s:.1f} s" + (" (interrupted)" if stats.interrupted else "")),
     ]
-    width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+    return text_table(rows, align="<<")

@@ -1,7 +1,7 @@
 """Collector service: a FastAPI app that writes capture frames to durable, indexed shards.
 
-    eagle-tap collect --data-dir D [--host 127.0.0.1 --port 8470 --token-file F --durability fsync]
-    eagle-tap shards verify D | eagle-tap shards stats D
+    eagle-tap collect --shards D [--host 127.0.0.1 --port 8470 --token-file F --durability fsync]
+    eagle-tap shards verify|stats|repair --shards D
 
 HTTP API (`Authorization: Bearer <token>` on /v1/* when a token is set):
     POST /v1/records       body: one frame, application/octet-stream. 201 {"status": "stored", ...} once

@@ -1,4 +1,4 @@
-"""`python -m collector_service collect --data-dir D ...`: the collector's subcommands without the eagle-tap CLI."""
+"""`python -m collector_service collect --shards D ...`: the collector's subcommands without the eagle-tap CLI."""
 
 import sys
 

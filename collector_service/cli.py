@@ -1,4 +1,4 @@
-"""Subcommands of the collector: `collect` (serve) and `shards verify|stats` (inspect a data dir).
+"""Subcommands of the collector: `collect` (serve) and `shards verify|stats|repair --shards DIR` (a shards folder).
 
 Imports nothing heavy at module level: FastAPI and uvicorn load only when `collect` runs (building
 the parser reads the settings model, which needs pydantic only).
@@ -112,22 +112,33 @@ def _collect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_shards_folder(parser: argparse.ArgumentParser) -> None:
+    """--shards DIR, as every command names a shards folder; a bare DIR (the old form) still works, unlisted."""
+    folder = parser.add_mutually_exclusive_group(required=True)
+    folder.add_argument("--shards", metavar="DIR", help="the shards folder (what `eagle-tap collect --shards` wrote)")
+    folder.add_argument("shards_positional", nargs="?", metavar="DIR", help=argparse.SUPPRESS)
+
+
+def _shards_folder(args: argparse.Namespace) -> Path:
+    return Path(args.shards or args.shards_positional)
+
+
 def _shards_verify(args: argparse.Namespace) -> int:
     from collector_service.shard_tools import verify_directory
 
-    return 0 if verify_directory(Path(args.data_dir), out=sys.stdout) else 1
+    return 0 if verify_directory(_shards_folder(args), out=sys.stdout) else 1
 
 
 def _shards_repair(args: argparse.Namespace) -> int:
     from collector_service.shard_tools import repair_directory
 
-    return 0 if repair_directory(Path(args.data_dir), out=sys.stdout) else 1
+    return 0 if repair_directory(_shards_folder(args), out=sys.stdout) else 1
 
 
 def _shards_stats(args: argparse.Namespace) -> int:
     from collector_service.shard_tools import print_stats
 
-    print_stats(Path(args.data_dir), out=sys.stdout)
+    print_stats(_shards_folder(args), out=sys.stdout)
     return 0
 
 
@@ -148,20 +159,20 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     collect.add_argument("--access-log", action="store_true", help="log every request (costs CPU at high rates)")
     collect.set_defaults(run=_collect)
 
-    shards = subparsers.add_parser("shards", help="verify or summarize a directory of shards")
+    shards = subparsers.add_parser("shards", help="verify, summarize or repair a shards folder (--shards DIR)")
     shard_commands = shards.add_subparsers(dest="shards_command", required=True, metavar="ACTION")
     verify = shard_commands.add_parser("verify", help="check every shard against its index, every record's checksums")
-    verify.add_argument("data_dir")
+    _add_shards_folder(verify)
     verify.set_defaults(run=_shards_verify)
     stats = shard_commands.add_parser("stats", help="print shards, records, tokens, bytes and compression ratio")
-    stats.add_argument("data_dir")
+    _add_shards_folder(stats)
     stats.set_defaults(run=_shards_stats)
     repair = shard_commands.add_parser(
         "repair", help="rebuild the index of each damaged shard (here and in quarantine/) from the shard itself",
         description="For each sealed shard that fails verify (or sits in DIR/quarantine), rebuild its index from "
         "the shard, keeping every record that passes the ingest checks; repaired shards from quarantine/ move "
         "back. Stop the collector first.")
-    repair.add_argument("data_dir")
+    _add_shards_folder(repair)
     repair.set_defaults(run=_shards_repair)
 
 

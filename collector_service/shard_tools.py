@@ -1,4 +1,4 @@
-"""`eagle-tap shards verify|stats|repair DIR`: check, summarize and repair a shard directory (capture_format only).
+"""`eagle-tap shards verify|stats|repair --shards DIR`: check, summarize and repair shards (capture_format only).
 
 verify: every sealed shard against its index and every record's checksums (decoding it), indexes
 without a shard, and record ids stored twice. Open shards are listed, not read: the collector
@@ -25,6 +25,7 @@ from capture_format.shard_index import (
     parse_shard_file_name,
     shard_file_name,
 )
+from capture_format.tables import text_table
 
 __all__ = ["print_stats", "repair_directory", "verify_directory"]
 
@@ -94,9 +95,7 @@ def print_stats(data_dir: Path, *, out: TextIO) -> None:
             ("damaged shards", f"{len(shards.damaged):,} (not counted above; see `eagle-tap shards repair`)"),
         ]
         damaged = [f"  {item.reason}" for item in shards.damaged]
-    width = max(len(label) for label, _ in rows)
-    for label, value in rows:
-        print(f"{label:<{width}}  {value}", file=out)
+    print(text_table(rows, align="<<"), file=out)
     for line in damaged:
         print(line, file=out)
 

@@ -36,4 +36,4 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
 
 # SIGTERM seals the open shard before exit (give it time: compose.yaml sets stop_grace_period).
 ENTRYPOINT ["eagle-tap"]
-CMD ["collect", "--data-dir", "/data/captures", "--host", "0.0.0.0", "--port", "8470"]
+CMD ["collect", "--shards", "/data/captures", "--host", "0.0.0.0", "--port", "8470"]

@@ -28,7 +28,7 @@ class CollectorProcess:
         self.log_path = log_path or data_dir.parent / f"collector-{self.port}.log"  # appended to
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "collector_service", "collect", "--data-dir", str(data_dir),
+            [sys.executable, "-m", "collector_service", "collect", "--shards", str(data_dir),
              "--host", "127.0.0.1", "--port", str(self.port), *extra_args],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
         try:

@@ -14,6 +14,8 @@ import textwrap
 import typing
 from typing import Any
 
+from capture_format.tables import markdown_table
+
 __all__ = ["attribute_docstrings", "settings_table"]
 
 
@@ -91,9 +93,7 @@ def settings_table() -> str:
     rows = _pydantic_rows(CaptureSettings, "plugin (SGLang server env)", "EAGLE_TAP_", {})
     rows += _pydantic_rows(CollectorSettings, "collector (env / flag)", "EAGLE_TAP_COLLECTOR_", _collector_flags())
     rows += _dataclass_rows(TrainConfig, "trainer (`train --config` key)")
-    lines = ["| part | setting | default | meaning |", "|---|---|---|---|"]
-    lines += [f"| {' | '.join(cell.replace('|', '&#124;') for cell in row)} |" for row in rows]
-    return "\n".join(lines)
+    return markdown_table(["part", "setting", "default", "meaning"], rows)
 
 
 if __name__ == "__main__":

@@ -39,20 +39,30 @@ def assert_one_line_error(result: subprocess.CompletedProcess, command: str, *ph
 
 @pytest.mark.parametrize("command", [["shards", "verify"], ["shards", "stats"]])
 def test_shard_tools_on_a_missing_folder(tmp_path: Path, command: list[str]) -> None:
-    result = run(*command, str(tmp_path / "nope"))
+    result = run(*command, "--shards", str(tmp_path / "nope"))
     assert_one_line_error(result, " ".join(command), "shards folder", "does not exist")
 
 
+def test_shard_tools_name_the_folder_with_shards_and_still_take_it_bare(tmp_path: Path) -> None:
+    usage = run("shards", "repair", "--help")
+    assert usage.returncode == 0 and "--shards DIR" in usage.stdout
+    bare = run("shards", "stats", str(tmp_path / "nope"))  # the form before --shards
+    assert_one_line_error(bare, "shards stats", "shards folder", "does not exist")
+    assert_one_line_error(run("shards", "verify"), "shards verify", "--shards is required")
+    assert_one_line_error(run("shards", "verify", "--shards", str(tmp_path), str(tmp_path)), "shards verify",
+                          "not allowed with argument --shards")
+
+
 def test_verify_on_an_empty_folder_warns_and_fails(tmp_path: Path) -> None:
-    result = run("shards", "verify", str(tmp_path))
+    result = run("shards", "verify", "--shards", str(tmp_path))
     assert result.returncode == 1
     assert "warning:" in result.stdout and "holds no shard files" in result.stdout and "OK" not in result.stdout
 
 
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:
-    result = run("--debug", "shards", "stats", str(tmp_path / "nope"))
+    result = run("--debug", "shards", "stats", "--shards", str(tmp_path / "nope"))
     assert result.returncode == 1 and "Traceback" in result.stderr and "ShardError" in result.stderr
-    after = run("shards", "stats", str(tmp_path / "nope"), "--debug")  # after the subcommand too
+    after = run("shards", "stats", "--shards", str(tmp_path / "nope"), "--debug")  # after the subcommand too
     assert after.returncode == 1 and "Traceback" in after.stderr
 
 
@@ -80,6 +90,26 @@ def test_train_vocab_and_eval_on_a_missing_shards_folder_write_nothing(tmp_path:
                  str(missing), "--draft-vocab-size", "64")
     assert_one_line_error(result, "vocab", "does not exist")
     assert not vocab_out.exists()
+
+
+def test_train_names_an_unknown_or_mistyped_setting_and_writes_nothing(tmp_path: Path) -> None:
+    out_dir = tmp_path / "run"
+    path = _train_config(tmp_path, trainer_data.prepared_inputs()["train_shards"], out_dir)
+    config = json.loads(path.read_text())
+    config["data"]["batch_szie"] = config["data"].pop("batch_size")
+    path.write_text(json.dumps(config))
+    assert_one_line_error(run("train", "--config", str(path)), "train", str(path), "unknown setting data.batch_szie",
+                          "accepted in data: shards, batch_size, max_length")
+    config["data"]["batch_size"] = config["data"].pop("batch_szie")
+    toml = tmp_path / "run.toml"  # the same settings as TOML, with a number in quotes
+    top_level = [f"{key} = {json.dumps(value)}" for key, value in config.items() if not isinstance(value, dict)]
+    toml.write_text("\n".join([*top_level, "[data]", f"shards = {json.dumps(config['data']['shards'])}",
+                               'batch_size = "8"']) + "\n")
+    assert_one_line_error(run("train", "--config", str(toml)), "train", "data.batch_size: input should be a valid "
+                          "integer; got str '8'")
+    assert_one_line_error(run("train", "--config", str(toml), "data.batch_size=8", "num_steps=4.5"), "train",
+                          "num_steps: input should be a valid integer; got float 4.5")
+    assert not out_dir.exists(), "a config that does not fit must be refused before anything is written"
 
 
 def test_a_moved_run_folder_still_evaluates_and_exports(tmp_path: Path) -> None:

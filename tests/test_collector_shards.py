@@ -92,11 +92,11 @@ def test_shards_verify_and_stats_commands(tmp_path, capsys) -> None:
             collector.post(make_frame(f"cli-{index}", num_tokens=10))
     capsys.readouterr()
 
-    assert eagle_tap_main(["shards", "verify", str(tmp_path)]) == 0
+    assert eagle_tap_main(["shards", "verify", "--shards", str(tmp_path)]) == 0
     output = capsys.readouterr().out
     assert "3 sealed shards, 0 open; 3/3 records verified: OK" in output
 
-    assert collector_main(["shards", "stats", str(tmp_path)]) == 0
+    assert collector_main(["shards", "stats", "--shards", str(tmp_path)]) == 0
     output = capsys.readouterr().out
     assert "records              3" in output and "tokens               30" in output
     assert "compression ratio" in output
@@ -106,7 +106,7 @@ def test_shards_verify_and_stats_commands(tmp_path, capsys) -> None:
     data[-5] ^= 0x10
     shard.write_bytes(bytes(data))
     (tmp_path / "shard-000009.index.json").write_text("{}")
-    assert eagle_tap_main(["shards", "verify", str(tmp_path)]) == 1
+    assert eagle_tap_main(["shards", "verify", "--shards", str(tmp_path)]) == 1
     output = capsys.readouterr().out
     assert "shard-000002.etap: 0/1 records verified, 1 problems" in output
     assert "ChecksumError" not in output and "hash to" in output

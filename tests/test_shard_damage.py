@@ -66,8 +66,8 @@ def test_a_damaged_shard_is_quarantined_served_around_and_repaired(tmp_path: Pat
         collector.stop()
     assert (data_dir / "quarantine" / shards[1].name).exists() and not shards[1].exists()
 
-    repaired = subprocess.run([*EAGLE_TAP, "shards", "repair", str(data_dir)], capture_output=True, text=True,
-                              timeout=120)
+    repaired = subprocess.run([*EAGLE_TAP, "shards", "repair", "--shards", str(data_dir)],
+                              capture_output=True, text=True, timeout=120)
     assert repaired.returncode == 0, repaired.stdout + repaired.stderr
     assert "moved back" in repaired.stdout
     kept = 3 if damage is _truncate_one_byte else 4  # the torn last frame is cut; every other record is kept
@@ -75,8 +75,8 @@ def test_a_damaged_shard_is_quarantined_served_around_and_repaired(tmp_path: Pat
     with ShardDirectory(data_dir) as directory:  # strict again: nothing damaged is left
         assert directory.num_records == 8 + kept + 1
         assert all(verify_shard(shard.shard_path).ok for shard in directory.shards)
-    verified = subprocess.run([*EAGLE_TAP, "shards", "verify", str(data_dir)], capture_output=True, text=True,
-                              timeout=120)
+    verified = subprocess.run([*EAGLE_TAP, "shards", "verify", "--shards", str(data_dir)],
+                              capture_output=True, text=True, timeout=120)
     assert verified.returncode == 0 and "OK" in verified.stdout, verified.stdout
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from eagle_tap.cli import main
-from trainer.config_io import apply_overrides, config_from_dict, config_to_dict, load_config
+from trainer.config_io import ConfigError, apply_overrides, config_from_dict, config_to_dict, load_config
 from trainer.metrics import read_metrics
-from trainer.train import Config, train
+from trainer.train import Config, build_optimizer, train
 
 sys.path.insert(0, str(Path(__file__).parent))
 import trainer_data  # noqa: E402
@@ -113,12 +115,48 @@ def test_config_files_and_dotted_overrides(tmp_path: Path) -> None:
     assert config.data.batch_size == 2 and config.optimizer.learning_rate == 1.0
     assert config.optimizer.betas == (0.8, 0.9) and config.objective.ttt_steps == 5 and config.eval_shards == "held"
     assert config_from_dict(Config, config_to_dict(config)) == config
-    with pytest.raises(ValueError, match=r"unknown setting\(s\) config.data.batch_szie; accepted in config.data: "):
+    with pytest.raises(ConfigError, match=rf"{path}: unknown setting data.batch_szie; accepted in data: shards, "):
         load_config(Config, path, ["data.batch_szie=4"])
-    with pytest.raises(ValueError, match="config.num_steps must be of type int; got str 'many'"):
+    with pytest.raises(ConfigError, match="num_steps: input should be a valid integer; got str 'many'"):
         load_config(Config, path, ["num_steps=many"])
-    with pytest.raises(ValueError, match="config.data.shards is required"):
+    for wrong in ("num_steps=4.0", "progress_bar=1", "data.batch_size=true", 'optimizer.betas=[0.9, "x"]'):
+        with pytest.raises(ConfigError, match=re.escape(wrong.partition("=")[0].replace(".betas", ".betas[1]"))):
+            load_config(Config, path, [wrong])  # JSON's types are kept: no 4.0 -> 4, 1 -> true, "x" -> float
+    with pytest.raises(ConfigError, match="config: data.shards is required"):
         config_from_dict(Config, {**apply_overrides(config_to_dict(config), []), "data": {}})
+
+
+def test_a_run_folder_config_written_by_earlier_versions_still_loads() -> None:
+    # out_dir/config.json as `eagle-tap train` wrote it before pydantic checked the file (dataclasses.asdict)
+    written = json.loads(
+        '{"target": "t", "draft_config": "d", "vocab": "v", "out_dir": "o", "data": {"shards": "s", "batch_size": 8, '
+        '"max_length": 256, "packing": false, "shuffle": true, "seed": 0, "num_workers": 0}, "objective": '
+        '{"ttt_steps": 3, "step_weight": 0.8, "target_chunk_rows": 4096}, "optimizer": {"learning_rate": 0.003, '
+        '"min_learning_rate_ratio": 0.1, "warmup_steps": 10, "weight_decay": 0.0, "betas": [0.9, 0.95], '
+        '"grad_clip_norm": 0.5}, "num_steps": 60, "stop_after_steps": null, "grad_accumulation_steps": 1, '
+        '"init_lm_head_from_target": true, "checkpoint_every": 0, "keep_checkpoints": 2, "log_every": 5, '
+        '"eval_shards": null, "eval_every": 0, "eval_max_batches": 100, "seed": 0, "device": "auto", '
+        '"bf16_autocast": true, "num_threads": 1, "progress_bar": false, "log_record_ids": false}')
+    config = config_from_dict(Config, written)
+    assert config.optimizer.betas == (0.9, 0.95) and config.data.max_length == 256 and config.num_threads == 1
+    assert config_to_dict(config) == written
+
+
+def test_the_learning_rate_warms_up_from_the_first_step_and_ends_at_the_floor() -> None:
+    import torch
+
+    config = config_from_dict(Config, {
+        "target": "t", "draft_config": "d", "vocab": "v", "out_dir": "o", "data": {"shards": "s"}, "num_steps": 10,
+        "optimizer": {"learning_rate": 2.0, "warmup_steps": 4, "min_learning_rate_ratio": 0.1}})
+    optimizer, scheduler = build_optimizer(torch.nn.Linear(2, 2), config)  # any module: the schedule is the claim
+    rates = []
+    for _ in range(config.num_steps):
+        rates.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    cosine = [0.2 + 1.8 * 0.5 * (1 + math.cos(math.pi * done / 6)) for done in range(1, 7)]
+    assert rates == pytest.approx([0.5, 1.0, 1.5, 2.0, *cosine])  # peak at the last warmup step, floor at the last
+    assert all(later < earlier for earlier, later in zip(rates[3:], rates[4:]))
 
 
 @pytest.mark.gpu

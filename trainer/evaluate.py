@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from capture_format.tables import text_table
 from trainer import data, ttt
 from trainer.model import Eagle3Draft, causal_mask
 
@@ -219,20 +220,20 @@ def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | N
 
 
 def format_table(result: dict[str, Any]) -> str:
-    names = list(result["drafts"])
-    header = f"{'':<22}" + "".join(f"{name:>11}" for name in names)
-    lines = [header]
-    for step in range(len(result["chain_lengths"])):
-        lines.append(f"{f'TTT step {step} accuracy':<22}"
-                     + "".join(f"{result['drafts'][name]['step_accuracy'][step]:>11.3f}" for name in names))
-    for index, k in enumerate(result["chain_lengths"]):
-        lines.append(f"{f'acceptance length k={k}':<22}"
-                     + "".join(f"{result['drafts'][name]['acceptance_length'][index]:>11.3f}" for name in names))
-    for index, k in enumerate(result["chain_lengths"]):
-        if "served_walk_acceptance_length" in result["drafts"][names[0]]:
-            lines.append(f"{f'served walk k={k}':<22}" + "".join(
-                f"{result['drafts'][name]['served_walk_acceptance_length'][index]:>11.3f}" for name in names))
-    return "\n".join(lines)
+    """Per-step accuracy and acceptance lengths, one column per draft (trained, untrained, unigram)."""
+    drafts = result["drafts"]
+    names = list(drafts)
+
+    def row(label: str, key: str, index: int) -> list[str]:
+        return [label, *(f"{drafts[name][key][index]:.3f}" for name in names)]
+
+    rows = [row(f"TTT step {step} accuracy", "step_accuracy", step) for step in range(len(result["chain_lengths"]))]
+    rows += [row(f"acceptance length k={k}", "acceptance_length", index)
+             for index, k in enumerate(result["chain_lengths"])]
+    if "served_walk_acceptance_length" in drafts[names[0]]:
+        rows += [row(f"served walk k={k}", "served_walk_acceptance_length", index)
+                 for index, k in enumerate(result["chain_lengths"])]
+    return text_table(rows, header=["", *names], gap=3)
 
 
 def plot_acceptance(result: dict[str, Any], path: Path) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import random
 import time
 from collections.abc import Iterator
@@ -34,21 +33,23 @@ import torch
 from trainer import data, distributed, ttt
 from trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
 from trainer.config_io import config_from_dict, config_to_dict
+from trainer.data import Config as DataConfig
 from trainer.metrics import MetricsLog, write_plots
 from trainer.model import Config as ModelConfig
 from trainer.model import Eagle3Draft, trainable_state_dict
+from trainer.ttt import Config as ObjectiveConfig
 
 
 @dataclass(kw_only=True, slots=True)
 class OptimizerConfig:
-    """AdamW with linear warmup and cosine decay."""
+    """AdamW with linear warmup and cosine decay (transformers' cosine schedule with a floor)."""
 
     learning_rate: float = 1e-4
     """Peak learning rate, reached after warmup_steps."""
     min_learning_rate_ratio: float = 0.1
-    """The cosine ends at learning_rate * this at num_steps."""
+    """The cosine ends at learning_rate * this, on the last of num_steps."""
     warmup_steps: int = 100
-    """Steps of linear warmup from 0 to learning_rate."""
+    """Steps of linear warmup to learning_rate (step k of them runs at k/warmup_steps of it)."""
     weight_decay: float = 0.0
     """Applied to matrices only, never to norms."""
     betas: tuple[float, ...] = (0.9, 0.95)
@@ -69,8 +70,8 @@ class Config:
     """Vocab mapping directory (`eagle-tap vocab`)."""
     out_dir: str
     """Where checkpoints, metrics, plots and the final weights go."""
-    data: data.Config
-    objective: ttt.Config = field(default_factory=ttt.Config)
+    data: DataConfig
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     num_steps: int = 1000
     """Optimizer steps of the whole run (the schedule spans them)."""
@@ -104,16 +105,6 @@ class Config:
     """Show a tqdm bar on the main rank."""
     log_record_ids: bool = False
     """Write the ids of the records each rank trained on to out_dir/record_ids.rank<r>.txt."""
-
-
-def learning_rate_factor(step: int, config: Config) -> float:
-    """Multiplier of the peak learning rate at step: linear warmup, then cosine to the floor."""
-    optimizer = config.optimizer
-    if step < optimizer.warmup_steps:
-        return (step + 1) / optimizer.warmup_steps
-    progress = (step - optimizer.warmup_steps) / max(1, config.num_steps - optimizer.warmup_steps)
-    floor = optimizer.min_learning_rate_ratio
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
 def build_objective(
@@ -164,13 +155,22 @@ def initial_objective(run_config: dict[str, Any]) -> ttt.Eagle3Objective:
 def build_optimizer(
     draft: Eagle3Draft, config: Config
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (no weight decay on norms) and its learning-rate schedule: linear warmup, then cosine to the floor."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
     trained = [(name, p) for name, p in draft.named_parameters() if p.requires_grad]
     groups = [
         {"params": [p for _, p in trained if p.ndim >= 2], "weight_decay": config.optimizer.weight_decay},
         {"params": [p for _, p in trained if p.ndim < 2], "weight_decay": 0.0},
     ]
     optimizer = torch.optim.AdamW(groups, lr=config.optimizer.learning_rate, betas=tuple(config.optimizer.betas))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate_factor(step, config))
+    # transformers' schedule is 0 at its step 0; counting from 1 (last_epoch=0, which needs initial_lr) makes the
+    # k-th optimizer step run at its value at k: step 1 at learning_rate / warmup_steps, the last one at the floor.
+    for group in optimizer.param_groups:
+        group["initial_lr"] = group["lr"]
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, num_warmup_steps=config.optimizer.warmup_steps, num_training_steps=config.num_steps,
+        min_lr_rate=config.optimizer.min_learning_rate_ratio, last_epoch=0)
     return optimizer, scheduler
 
 
@@ -282,7 +282,7 @@ def train_step(run: Run, batches: Iterator[dict[str, Any]]) -> tuple[dict[str, A
 def evaluate(run: Run, shards: str) -> dict[str, Any]:
     """Per-TTT-step accuracy over (up to eval_max_batches batches of) a held-out shard directory."""
     config, runtime = run.config, run.runtime
-    eval_data = data.Config(shards=shards, batch_size=config.data.batch_size, max_length=config.data.max_length,
+    eval_data = DataConfig(shards=shards, batch_size=config.data.batch_size, max_length=config.data.max_length,
                             packing=config.data.packing, shuffle=False)
     dataset = data.ShardDataset(eval_data, rank=runtime.rank, world_size=runtime.world_size, num_epochs=1,
                                 equal_per_rank=False, **run.expected)

@@ -30,6 +30,7 @@ import numpy as np
 
 from capture_format.fingerprint import tokenizer_fingerprint
 from capture_format.token_frequencies import FREQUENCIES_NAME, read_token_frequencies, write_token_frequencies
+from capture_format.tables import text_table
 
 IF_FEWER_POLICIES = ("error", "shrink", "fill")
 LADDER_SIZES = (8192, 16384, 32768, 65536)
@@ -281,11 +282,10 @@ def coverage_report(counts: np.ndarray, mapping: VocabMapping) -> str:
         f"counted {int(counts.sum()):,} loss-masked tokens, {int((counts > 0).sum()):,} distinct, "
         f"target vocab {counts.size:,}",
         f"chosen draft vocab {chosen:,} covers {mapping.meta['coverage']:.2%} (forced tokens included)",
-        "   top-N tokens   coverage",
     ]
-    for size, value in coverage_at(counts, ladder_sizes(counts.size, chosen)).items():
-        label = "  (full vocab)" if size == counts.size else "  (chosen size)" if size == chosen else ""
-        lines.append(f"   {size:>12,}   {value:8.2%}{label}")
+    rows = [(f"{size:,}", f"{value:.2%}", "(full vocab)" if size == counts.size else "(chosen size)" if size == chosen
+             else "") for size, value in coverage_at(counts, ladder_sizes(counts.size, chosen)).items()]
+    lines.append(text_table(rows, header=("top-N tokens", "coverage", ""), align=">><", indent="   ", gap=3))
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from capture_format.tables import markdown_table
 from eagle_tap import __version__
 
 BENCHMARKS: dict[str, str] = {
@@ -133,10 +134,8 @@ def format_value(value: Any, spec: str) -> str:
 def render_table(result: dict[str, Any]) -> list[str]:
     """A Markdown table: a header from result["columns"], then one line per entry of result["rows"]."""
     columns = result["columns"]
-    lines = ["| " + " | ".join(header for _, header, _ in columns) + " |", "|" + "---|" * len(columns)]
-    for row in result["rows"]:
-        lines.append("| " + " | ".join(format_value(row.get(key), spec) for key, _, spec in columns) + " |")
-    return lines
+    rows = [[format_value(row.get(key), spec) for key, _, spec in columns] for row in result["rows"]]
+    return markdown_table([header for _, header, _ in columns], rows).splitlines()
 
 
 def _machine_lines(report: dict[str, Any]) -> list[str]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from capture_format.tables import text_table
+
 __all__ = ["format_summary"]
 
 
@@ -17,8 +19,7 @@ def served_table(served: dict[str, Any]) -> list[str]:
     results, k = served["results"], served["num_steps"]
     names = list(results)
     lines = [f"served by SGLang (EAGLE-3, chain of {k} drafts; {served['num_prompts']} held-out conversations, "
-             f"greedy, up to {served['max_new_tokens']} tokens)",
-             f"{'':<30}" + "".join(f"{name:>11}" for name in names)]
+             f"greedy, up to {served['max_new_tokens']} tokens)"]
     rows = [("acceptance length, served", lambda r: f"{r['acceptance_length']:.3f}"),
             ("  simulated, served walk", lambda r: f"{r['simulated_walk_acceptance_length']:.3f}"),
             ("  simulated, every position", lambda r: f"{r['simulated_acceptance_length']:.3f}"),
@@ -26,7 +27,8 @@ def served_table(served: dict[str, Any]) -> list[str]:
               for j in range(1, k + 1)],
             ("decode speed vs no draft", lambda r: f"{r['decode_speed_ratio']:.2f}x"),
             ("outputs identical", lambda r: f"{r['num_identical_outputs']}/{r['num_prompts']}")]
-    lines += [f"{label:<30}" + "".join(f"{cell(results[name]):>11}" for name in names) for label, cell in rows]
+    lines.append(text_table([[label, *(cell(results[name]) for name in names)] for label, cell in rows],
+                            header=["", *names], gap=3))
     for name in names:
         for mismatch in results[name].get("mismatches", []):
             lines.append(f"  {name}: record {mismatch['prompt']} differs at output token {mismatch['index']}, where the "
@@ -69,17 +71,18 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("evaluation", f"{evaluation['num_records']} held-out records, {evaluation['num_start_positions']:,} start "
                        f"positions (simulated greedy chain drafting)"),
     ]
-    width = max(len(name) for name, _ in rows)
-    lines = ["", f"eagle-tap demo finished in {summary['wall_s']:.0f} s; {stopped}.", ""]
-    lines += [f"{name:<{width}}  {value}" for name, value in rows]
-    lines += ["", evaluation["table"], ""]
-    lines += served_table(summary["served"]) if "served" in summary else []
     timings = ", ".join(f"{stage} {seconds:.0f} s" for stage, seconds in summary["timings_s"].items())
-    lines += [
-        f"{'time':<{width}}  {timings}",
-        f"{'export':<{width}}  {summary['export']['path']} ({', '.join(summary['export']['files'])})",
-        f"{'plots':<{width}}  {', '.join(training['plots'] + [evaluation['plot'], str(out / 'vocab' / 'coverage.png')] + ([summary['served']['plot']] if 'served' in summary else []))}",
-        f"{'captures':<{width}}  {capture['shards']['train']} (train), {capture['shards']['heldout']} (held out)",
-        f"{'logs':<{width}}  {out / 'logs'} (sglang.log, collector.log); every number above: {out / 'summary.json'}",
+    plots = training["plots"] + [evaluation["plot"], str(out / "vocab" / "coverage.png")]
+    plots += [summary["served"]["plot"]] if "served" in summary else []
+    where = [
+        ("time", timings),
+        ("export", f"{summary['export']['path']} ({', '.join(summary['export']['files'])})"),
+        ("plots", ", ".join(plots)),
+        ("captures", f"{capture['shards']['train']} (train), {capture['shards']['heldout']} (held out)"),
+        ("logs", f"{out / 'logs'} (sglang.log, collector.log); every number above: {out / 'summary.json'}"),
     ]
+    lines = ["", f"eagle-tap demo finished in {summary['wall_s']:.0f} s; {stopped}.", ""]
+    lines += [text_table(rows, align="<<"), "", evaluation["table"], ""]
+    lines += served_table(summary["served"]) if "served" in summary else []
+    lines.append(text_table(where, align="<<"))
     return "\n".join(lines)

@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from capture_format.tables import text_table
 from eagle_tap.served.draft import SpeculativeConfig
 
 
@@ -318,28 +319,28 @@ def evaluate_served(config: Config, *, log=print) -> dict[str, Any]:
 
 
 def format_report(result: dict[str, Any]) -> str:
-    k = result["num_steps"]
-    lines = [f"served acceptance length (k={k})   {result['acceptance_length']:.3f}  "
-             f"({result['num_accepted_drafts']} drafts accepted in {result['num_verify_steps']} verify steps, "
-             f"{result['num_prompts']} prompts)"]
-    lines += [f"  draft position {j}: accepted in {rate:.1%} of verify steps"
-              for j, rate in enumerate(result["acceptance_rate_by_position"], start=1)]
-    speeds = result["decode_tokens_per_s"]
-    lines.append(f"decode tokens/s                  {speeds['draft']:.1f} with the draft, {speeds['baseline']:.1f} "
-                 f"without (ratio {result['decode_speed_ratio']:.2f})")
-    lines.append(f"outputs identical to no draft    {result['num_identical_outputs']}/{result['num_prompts']}")
+    k, speeds = result["num_steps"], result["decode_tokens_per_s"]
+    rows = [(f"served acceptance length (k={k})", f"{result['acceptance_length']:.3f} ({result['num_accepted_drafts']} "
+             f"drafts accepted in {result['num_verify_steps']} verify steps, {result['num_prompts']} prompts)")]
+    rows += [(f"  draft position {j}", f"accepted in {rate:.1%} of verify steps")
+             for j, rate in enumerate(result["acceptance_rate_by_position"], start=1)]
+    rows += [("decode tokens/s", f"{speeds['draft']:.1f} with the draft, {speeds['baseline']:.1f} without "
+              f"(ratio {result['decode_speed_ratio']:.2f})"),
+             ("outputs identical to no draft", f"{result['num_identical_outputs']}/{result['num_prompts']}")]
+    if "simulated" in result:
+        walk = result["simulated"]["served_walk_acceptance_length"]["draft"]
+        simulated = result["simulated"]["acceptance_length"]["draft"]
+        if walk is not None:
+            rows.append(("simulated, served walk (eval)",
+                         f"{walk:.3f} (served/simulated {result['acceptance_length'] / walk:.2f})"))
+        rows.append(("simulated, every position (eval)",
+                     f"{simulated:.3f} (served/simulated {result['acceptance_length'] / simulated:.2f})"))
+    lines = [text_table(rows, align="<<")]
     for mismatch in result.get("mismatches", []):
         gap = mismatch["top2_logprob_gap"]
         lines.append(f"  {mismatch['prompt']}: differs at output token {mismatch['index']} ({mismatch['baseline_token']} "
                      f"without the draft, {mismatch['draft_token']} with it); the no-draft top-2 log-prob gap "
                      f"there: {'n/a' if gap is None else f'{gap:.4f}'}")
-    if "simulated" in result:
-        walk = result["simulated"]["served_walk_acceptance_length"]["draft"]
-        simulated = result["simulated"]["acceptance_length"]["draft"]
-        if walk is not None:
-            lines.append(f"simulated, served walk (eval)     {walk:.3f} (served/simulated {result['acceptance_length'] / walk:.2f})")
-        lines.append(f"simulated, every position (eval)  {simulated:.3f} "
-                     f"(served/simulated {result['acceptance_length'] / simulated:.2f})")
     return "\n".join(lines)
 
 
