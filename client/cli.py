@@ -46,6 +46,7 @@ def config_from_args(args: argparse.Namespace) -> "FireConfig":
         max_samples=args.max_samples,
         confirm_timeout_s=args.confirm_timeout_s,
         capture_max_new_tokens=args.capture_max_new_tokens,
+        two_pass=args.two_pass,
         collector_token=(args.collector_token or os.environ.get("EAGLE_TAP_COLLECTOR_TOKEN")
                          or os.environ.get("EAGLE_TAP_TOKEN")),
         progress=args.progress,
@@ -78,6 +79,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     mode = fire.add_mutually_exclusive_group()
     mode.add_argument("--regenerate", action="store_true", help="answer each assistant turn with the target first")
     mode.add_argument("--as-is", action="store_true", help="capture the dataset's own answers (default)")
+    fire.add_argument("--two-pass", action="store_true",
+                      help="with --regenerate: capture each sequence with a second, prefill-only request after "
+                      "generating it (default: capture each turn while it is generated, one pass)")
     fire.add_argument("--records-per", choices=("conversation", "turn"), default="conversation",
                       help="one record per conversation (default) or per assistant turn (for templates that "
                       "rewrite earlier turns, e.g. drop their reasoning)")

@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from capture_format.files import write_file_atomically
+from capture_format.tag import CaptureTag
 from capture_format.fingerprint import tokenizer_fingerprint
 from capture_format.token_frequencies import FREQUENCIES_NAME, write_token_frequencies
 
@@ -87,6 +88,9 @@ class FireConfig:
     """How long a served record may take to be stored before it is reported unconfirmed."""
     capture_max_new_tokens: int = 0
     """max_new_tokens of capture requests: 0 runs only the prefill (SGLang 0.5.23); use 1 where 0 is refused."""
+    two_pass: bool = False
+    """In regenerate mode: generate each turn, then capture the whole sequence with a second, prefill-only
+    request (the default captures each turn while it is generated, in one pass)."""
     collector_token: str | None = None
     """Bearer token of the collector."""
     progress: str = "auto"
@@ -101,6 +105,8 @@ class FireConfig:
             raise ValueError(f"unknown records-per {self.records_per!r}; available: {', '.join(RECORDS_PER)}")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.two_pass and self.mode != "regenerate":
+            raise ValueError("--two-pass applies to --regenerate only (as-is captures always take one prefill)")
         if self.capture_max_new_tokens not in (0, 1):
             raise ValueError(f"capture max_new_tokens must be 0 or 1, got {self.capture_max_new_tokens}")
         if self.run_id is not None:
@@ -197,14 +203,44 @@ class _Run:
         self.stats.num_generate_requests += 1
         return await self.endpoints.generate(payload)
 
+    def _tag_generation(self, conversation: Conversation, todo: list[PlannedRecord]):
+        """One pass: the tag that has the plugin record a turn while it is generated (`build_sequences`)."""
+        wanted = {record.record_id for record in todo}
+
+        def tag(record: PlannedRecord, spans: tuple[tuple[int, int], ...], turns: tuple[int, ...],
+                prompt_ids: tuple[int, ...]) -> dict[str, Any] | None:
+            if record.record_id not in wanted:
+                return None  # stored by an earlier run: the turn is generated for the history only
+            metadata = {"source": conversation.source, "line": conversation.line, "mode": self.config.mode,
+                        "turns": list(turns), "passes": 1}
+            self.manifest.mark_sent(record.record_id, sample_key=conversation.key, line=conversation.line,
+                                    num_tokens=len(prompt_ids), num_loss_tokens=sum(end - start for start, end in spans))
+            self.stats.num_capture_requests += 1
+            return CaptureTag(record_id=record.record_id, sample_id=conversation.key, loss_spans=spans,
+                              metadata=metadata, mode="generate").to_custom_params()
+
+        return tag
+
     async def _sample(self, conversation: Conversation, planned: list[PlannedRecord],
                       todo: list[PlannedRecord]) -> None:
         num_tokens = 0
         served: set[str] = set()
+        one_pass = self.config.mode == "regenerate" and not self.config.two_pass
         try:
             sequences, finish_reasons = await build_sequences(
                 self.chat, conversation, planned, mode=self.config.mode, generate=self._generate,
-                sampling=self.config.sampling)
+                sampling=self.config.sampling,
+                tag_generation=self._tag_generation(conversation, todo) if one_pass else None)
+            if one_pass:  # every record was captured while its last turn was generated
+                for record in todo:
+                    sequence = sequences[record.record_id]
+                    self.manifest.mark_served(record.record_id, sequence.loss_token_ids(),
+                                              num_tokens=len(sequence.input_ids),
+                                              num_loss_tokens=sequence.num_loss_tokens)
+                    self.confirmer.add(record.record_id)
+                    served.add(record.record_id)
+                    num_tokens += len(sequence.input_ids)
+                todo = []
             for record in todo:
                 sequence = sequences[record.record_id]
                 metadata = {"source": conversation.source, "line": conversation.line, "mode": self.config.mode,

@@ -104,9 +104,14 @@ class Manifest:
                 " num_loss_tokens=excluded.num_loss_tokens, num_sends=num_sends+1, updated_at=excluded.updated_at",
                 (record_id, sample_key, line, num_tokens, num_loss_tokens, time.time()))
 
-    def mark_served(self, record_id: str, loss_token_ids: Iterable[int]) -> None:
-        """Served; the first time, its loss tokens are counted in the same transaction."""
+    def mark_served(self, record_id: str, loss_token_ids: Iterable[int], *, num_tokens: int | None = None,
+                    num_loss_tokens: int | None = None) -> None:
+        """Served; the first time, its loss tokens are counted in the same transaction. A record captured
+        while it was generated learns its sizes only now (num_tokens, num_loss_tokens)."""
         with self._transaction():
+            if num_tokens is not None:
+                self._db.execute("UPDATE records SET num_tokens=?, num_loss_tokens=? WHERE record_id=?",
+                                 (num_tokens, num_loss_tokens, record_id))
             (counted,) = self._db.execute("SELECT counted FROM records WHERE record_id=?", (record_id,)).fetchone()
             if not counted:
                 self._db.executemany(

@@ -10,6 +10,11 @@ datasets usable), the conversation so far is rendered with the generation prompt
 So with one record per turn every record is prompt ids + generated ids. With one record per
 conversation the earlier turns are the template's rendering of their generated text (checked to be a
 prefix of the last prompt, see spans.py) and the last turn is verbatim.
+
+One pass: `tag_turn(index, prompt_ids, messages)` may return the `custom_params` of a capture tag in
+"generate" mode for a turn's request; the plugin then records that request as it is generated
+(prompt + generated ids, the same sequence a second, prefill-only request would send) and no second
+request is needed. The loss spans it was given (earlier turns) are kept; the generated ids are added.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from typing import Any
 
 from client.spans import ChatTokenizer, SpanError, TokenizedSequence
 
-__all__ = ["RegeneratedTurn", "SamplingConfig", "conversation_sequence", "regenerate_turns", "turns_to_generate"]
+__all__ = ["RegeneratedTurn", "SamplingConfig", "conversation_sequence", "earlier_turn_spans", "regenerate_turns",
+           "turns_to_generate"]
 
 Generate = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+TagTurn = Callable[[int, tuple[int, ...], Sequence[dict[str, str]]], "dict[str, Any] | None"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -78,7 +85,8 @@ def _sampling_params(config: SamplingConfig, stop_token_ids: frozenset[int]) -> 
 
 
 async def regenerate_turns(chat: ChatTokenizer, messages: Sequence[dict[str, str]], generate: Generate,
-                           config: SamplingConfig) -> tuple[list[dict[str, str]], list[RegeneratedTurn]]:
+                           config: SamplingConfig, tag_turn: TagTurn | None = None
+                           ) -> tuple[list[dict[str, str]], list[RegeneratedTurn]]:
     """Generates every assistant turn in order; returns the new messages and each turn as generated."""
     messages, turns = turns_to_generate(messages)
     if not turns:
@@ -87,6 +95,9 @@ async def regenerate_turns(chat: ChatTokenizer, messages: Sequence[dict[str, str
     for index in turns:
         prompt_ids = chat.render_ids(messages[:index], add_generation_prompt=True)
         sampling_params = _sampling_params(config, chat.stop_token_ids)
+        custom_params = tag_turn(index, tuple(prompt_ids), messages) if tag_turn is not None else None
+        if custom_params is not None:
+            sampling_params["custom_params"] = custom_params
         answer = await generate({"input_ids": prompt_ids, "sampling_params": sampling_params})
         generated_ids = tuple(int(token) for token in answer["output_ids"])
         if not generated_ids:
@@ -99,17 +110,25 @@ async def regenerate_turns(chat: ChatTokenizer, messages: Sequence[dict[str, str
     return messages, regenerated
 
 
+def earlier_turn_spans(chat: ChatTokenizer, messages: Sequence[dict[str, str]], earlier_turns: Sequence[int],
+                       last_index: int, last_prompt_ids: Sequence[int]) -> tuple[list[tuple[int, int]], list[int]]:
+    """Spans (and their turn indices) of earlier assistant turns as the template renders them into the last prompt."""
+    spans, span_turns = [], []
+    for index in earlier_turns:
+        span = chat.assistant_span(messages[:last_index], index, last_prompt_ids)
+        if span is not None:
+            spans.append(span)
+            span_turns.append(index)
+    return spans, span_turns
+
+
 def conversation_sequence(chat: ChatTokenizer, messages: Sequence[dict[str, str]],
                           regenerated: Sequence[RegeneratedTurn]) -> TokenizedSequence:
     """The whole regenerated conversation as one sequence: the last prompt + the last turn's ids verbatim."""
     last = regenerated[-1]
     ids = last.prompt_ids + last.generated_ids
-    spans, span_turns = [], []
-    for turn in regenerated[:-1]:  # earlier turns, as the template renders their text into the last prompt
-        span = chat.assistant_span(messages[: last.index], turn.index, last.prompt_ids)
-        if span is not None:
-            spans.append(span)
-            span_turns.append(turn.index)
+    spans, span_turns = earlier_turn_spans(chat, messages, [turn.index for turn in regenerated[:-1]], last.index,
+                                           last.prompt_ids)
     spans.append((len(last.prompt_ids), len(ids)))
     span_turns.append(last.index)
     return TokenizedSequence(ids, tuple(spans), tuple(span_turns))

@@ -6,22 +6,32 @@ conversation's content and the turn, so a resumed run plans the same ids and the
 stores an id once) never holds a sample twice. They satisfy capture_format's record id rule: the run id
 is checked, the sample key is hex, the separators are ':'.
 
-A capture request sends the whole sequence as `input_ids`, asks for `max_new_tokens` 0 (SGLang 0.5.23
-runs the prefill and generates nothing; 1 works everywhere), and carries a fresh `cache_salt` so the
-radix cache cannot skip part of the prefill, and the capture tag.
+Two ways to capture. Two passes (`as-is` always, `regenerate --two-pass`): a capture request sends the
+whole sequence as `input_ids`, asks for `max_new_tokens` 0 (SGLang 0.5.23 runs the prefill and
+generates nothing; 1 works everywhere), and carries a fresh `cache_salt` so the radix cache cannot
+skip part of the prefill, and the capture tag. One pass (`regenerate`, the default): the request that
+generates a turn carries a capture tag in "generate" mode (`tag_generation`), and the plugin records
+the turn as it is generated; its record is the same sequence, with no state for its last token.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from capture_format.records import check_record_id
 from capture_format.tag import CaptureTag
 from client.conversations import Conversation
-from client.regenerate import Generate, SamplingConfig, conversation_sequence, regenerate_turns, turns_to_generate
+from client.regenerate import (
+    Generate,
+    SamplingConfig,
+    conversation_sequence,
+    earlier_turn_spans,
+    regenerate_turns,
+    turns_to_generate,
+)
 from client.spans import ChatTokenizer, SpanError, TokenizedSequence
 
 __all__ = ["MODES", "RECORDS_PER", "PlannedRecord", "build_sequences", "capture_payload", "check_run_id",
@@ -80,11 +90,20 @@ def _placeholder_answers(messages: Sequence[dict[str, str]]) -> list[dict[str, s
             for message in messages]
 
 
+TagGeneration = Callable[[PlannedRecord, tuple[tuple[int, int], ...], tuple[int, ...], tuple[int, ...]],
+                         "dict[str, Any] | None"]
+"""(record, loss spans given, turns those spans and the generated one belong to, prompt ids) -> the
+custom_params of the request that generates the record's last turn, or None to leave it untagged."""
+
+
 async def build_sequences(chat: ChatTokenizer, conversation: Conversation, planned: Sequence[PlannedRecord], *,
-                          mode: str, generate: Generate, sampling: SamplingConfig
+                          mode: str, generate: Generate, sampling: SamplingConfig,
+                          tag_generation: TagGeneration | None = None
                           ) -> tuple[dict[str, TokenizedSequence], dict[int, str]]:
     """record id -> sequence for every planned record, and each regenerated turn's finish reason.
 
+    With `tag_generation` (regenerate mode), the request generating each record's last turn carries the
+    tag it returns: the record is captured in that one pass.
     Raises `SpanError` when the template cannot give a trustworthy mask, and whatever `generate` raises.
     """
     if mode == "as-is":
@@ -92,7 +111,21 @@ async def build_sequences(chat: ChatTokenizer, conversation: Conversation, plann
     whole = planned[0].turn is None
     if whole:  # fail before spending generations on a conversation the template cannot mask
         chat.tokenize_conversation(_placeholder_answers(conversation.messages))
-    messages, turns = await regenerate_turns(chat, conversation.messages, generate, sampling)
+    _, turn_indices = turns_to_generate(conversation.messages)
+    by_turn = {record.turn: record for record in planned}
+
+    def tag_turn(index: int, prompt_ids: tuple[int, ...], messages: Sequence[dict[str, str]]):
+        if tag_generation is None:
+            return None
+        if not whole:
+            record = by_turn.get(index)
+            return tag_generation(record, (), (index,), prompt_ids) if record is not None else None
+        if index != turn_indices[-1]:
+            return None
+        spans, span_turns = earlier_turn_spans(chat, messages, turn_indices[:-1], index, prompt_ids)
+        return tag_generation(planned[0], tuple(spans), (*span_turns, index), prompt_ids)
+
+    messages, turns = await regenerate_turns(chat, conversation.messages, generate, sampling, tag_turn)
     finish_reasons = {turn.index: turn.finish_reason for turn in turns}
     if whole:
         return {planned[0].record_id: conversation_sequence(chat, messages, turns)}, finish_reasons

@@ -53,6 +53,8 @@ class CapturedSequence:
     """The tag's spans, plus the generated tokens in generate mode."""
     num_states: int
     """Rows of states: len(token_ids), or one fewer when the last token has none (generate mode)."""
+    metadata: dict
+    """The tag's metadata, plus in generate mode how the generation ended (`finish_reason`)."""
 
     @property
     def raw_nbytes(self) -> int:
@@ -72,6 +74,11 @@ class CapturedSequence:
     def release(self) -> None:
         for chunk in self.chunks:
             chunk.release()
+
+
+# SGLang's finish reasons (schedule_batch.py), as the client's regenerate mode names them.
+_FINISH_REASONS = {"FINISH_MATCHED_TOKEN": "stop", "FINISH_MATCHED_STR": "stop", "FINISHED_MATCHED_REGEX": "stop",
+                   "FINISH_LENGTH": "length"}
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -210,7 +217,7 @@ class CaptureAssembler:
             partial.release()
             self._stats.drop("spans_out_of_range")
             return
-        self._send(partial, token_ids, spans, len(token_ids))
+        self._send(partial, token_ids, spans, len(token_ids), partial.tag.metadata)
 
     def _finish_generated(self, req, partial: _Partial) -> None:
         """The record of a finished request: prompt + generated tokens, states for all but the last."""
@@ -242,16 +249,17 @@ class CaptureAssembler:
             spans = (*spans[:-1], (spans[-1][0], len(token_ids)))
         else:
             spans = (*spans, (len(prompt), len(token_ids)))
-        self._send(partial, token_ids, spans, num_states)
+        self._send(partial, token_ids, spans, num_states,
+                   {**partial.tag.metadata, "finish_reason": _FINISH_REASONS.get(reason, reason)})
 
     def _send(self, partial: _Partial, token_ids: list[int], spans: tuple[tuple[int, int], ...],
-              num_states: int) -> None:
+              num_states: int, metadata: dict) -> None:
         self._stats.add("captured")
         self._stats.add("captured_tokens", len(token_ids))
         if partial.tag.metadata.get("source") == "live":
             self._stats.add("captured_live")
         self._emit(CapturedSequence(tag=partial.tag, token_ids=token_ids, chunks=partial.chunks,
-                                    loss_spans=spans, num_states=num_states))
+                                    loss_spans=spans, num_states=num_states, metadata=metadata))
 
     def _abandon(self, rid: str, reason: str, now: float) -> None:
         partial = self._remove(rid)

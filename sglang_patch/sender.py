@@ -82,7 +82,7 @@ def to_record(captured: CapturedSequence, model: ModelIdentity) -> CaptureRecord
         loss_spans=captured.loss_spans,
         aux=aux.reshape(num_states, num_layers, model.hidden_size),  # (S, K, H)
         final=final.reshape(num_states, model.hidden_size),  # (S, H)
-        metadata=captured.tag.metadata,
+        metadata=captured.metadata,
     )
 
 

@@ -134,22 +134,30 @@ def test_as_is_end_to_end_and_a_rerun_sends_nothing(server, collector, chat, tmp
     assert {record["num_sends"] for record in manifest_records(run_dir)} == {1}
 
 
-@pytest.mark.parametrize("records_per", ["turn", "conversation"])
-def test_regenerate_captures_exactly_what_the_target_generated(server, collector, chat, tmp_path, records_per):
+@pytest.mark.parametrize("records_per,passes", [("turn", 1), ("conversation", 1), ("turn", 2), ("conversation", 2)])
+def test_regenerate_captures_exactly_what_the_target_generated(server, collector, chat, tmp_path, records_per,
+                                                               passes):
     from client.cli import config_from_args
     from client.fire import run_fire
     from eagle_tap.cli import build_parser
 
     run_dir = tmp_path / "run"
     args = build_parser().parse_args(fire_argv(server, collector, SMALL, run_dir, "--regenerate", "--records-per",
-                                               records_per, "--max-new-tokens", "12", "--temperature", "0.9"))
+                                               records_per, "--max-new-tokens", "12", "--temperature", "0.9",
+                                               *(["--two-pass"] if passes == 2 else [])))
     wire = WireLog()
     assert run_fire(config_from_args(args), transport=wire) == 0
     run_id = run_summary(run_dir)["run_id"]
     generations = [(request, answer) for request, answer in wire.exchanges
-                   if "custom_params" not in request["sampling_params"]]
+                   if request["sampling_params"]["max_new_tokens"] == 12]
     assert len(generations) == 8  # every assistant turn of the dataset, in order
-    assert all(request["sampling_params"]["max_new_tokens"] == 12 for request, _ in generations)
+    num_records = 8 if records_per == "turn" else NUM_SMALL
+    tagged = [request for request, _ in wire.exchanges if "custom_params" in request["sampling_params"]]
+    if passes == 1:  # the generation requests themselves are the captures: no second request
+        assert len(wire.exchanges) == 8 and len(tagged) == num_records
+    else:
+        assert len(wire.exchanges) == 8 + num_records
+        assert all(request["sampling_params"]["max_new_tokens"] == 0 for request in tagged)
     outputs = {tuple(request["input_ids"]): answer["output_ids"] for request, answer in generations}
 
     for conversation in conversations(SMALL):
@@ -163,7 +171,14 @@ def test_regenerate_captures_exactly_what_the_target_generated(server, collector
             assert end == len(ids) and outputs[tuple(ids[:start])] == ids[start:], "the target's ids, verbatim"
             assert ids[: len(first_prompt)] == first_prompt
             assert record.metadata["mode"] == "regenerate"
-            for (start, end), reason in zip(record.loss_spans, record.metadata["finish_reasons"]):
+            if passes == 1:  # the last token never went through the model: it has no state
+                assert record.num_states == len(ids) - 1 and record.metadata["passes"] == 1
+                reasons = [record.metadata["finish_reason"]]
+            else:
+                assert record.num_states == len(ids)
+                reasons = record.metadata["finish_reasons"]
+            for (start, end), reason in zip(record.loss_spans[::-1], reasons[::-1]):
+                assert reason in ("stop", "length")
                 if reason == "stop":
                     assert ids[end - 1] in chat.stop_token_ids
             if records_per == "conversation":

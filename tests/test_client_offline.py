@@ -48,8 +48,18 @@ class FakeServing:
             raise error("scripted", request=request)
         body = json.loads(request.content)
         tag = CaptureTag.from_custom_params(body["sampling_params"].get("custom_params"))
-        if tag is None:
+        if tag is None or tag.mode == "generate":
             self.prompts.append(body)
+            if tag is not None:  # one pass: the plugin records prompt + answer, the answer added to the spans
+                self.captures.append(body)
+                prompt_len, ids = len(body["input_ids"]), body["input_ids"] + self.answer_ids
+                spans = list(tag.loss_spans)
+                if spans and spans[-1][1] == prompt_len:
+                    spans[-1] = (spans[-1][0], len(ids))
+                else:
+                    spans.append((prompt_len, len(ids)))
+                if self.stores:
+                    self.stored.setdefault(tag.record_id, {"input_ids": ids, "spans": tuple(spans), "passes": 1})
             return httpx.Response(200, json={"output_ids": self.answer_ids, "text": "",
                                              "meta_info": {"finish_reason": {"type": "stop", "matched": 1}}})
         self.captures.append(body)
@@ -144,14 +154,23 @@ def test_token_counts_include_each_record_once_however_often_it_is_sent(tmp_path
     manifest.close()
 
 
+@pytest.mark.parametrize("two_pass", [False, True])
 def test_regenerate_sends_the_conversation_so_far_and_captures_the_generated_ids_verbatim(tmp_path, chat,
-                                                                                          tiny_model_dir):
+                                                                                          tiny_model_dir, two_pass):
     serving = FakeServing(chat, answer_text="Sure, here it is.")
     sampling = SamplingConfig(temperature=0.5, top_p=0.9, max_new_tokens=7)
-    assert fire(tmp_path, serving, tiny_model_dir, mode="regenerate", records_per="turn", sampling=sampling) == 0
+    assert fire(tmp_path, serving, tiny_model_dir, mode="regenerate", records_per="turn", sampling=sampling,
+                two_pass=two_pass) == 0
     first_prompt = serving.prompts[0]["sampling_params"]
     assert first_prompt["temperature"] == 0.5 and first_prompt["top_p"] == 0.9 and first_prompt["max_new_tokens"] == 7
-    assert first_prompt["stop_token_ids"] == [chat.tokenizer.eos_token_id] and "custom_params" not in first_prompt
+    assert first_prompt["stop_token_ids"] == [chat.tokenizer.eos_token_id]
+    if two_pass:  # generated untagged, then captured by a prefill-only request per record
+        assert "custom_params" not in first_prompt and len(serving.captures) == 8
+        assert all(capture["sampling_params"]["max_new_tokens"] == 0 for capture in serving.captures)
+    else:  # each turn's own generation request is the capture
+        tag = CaptureTag.from_custom_params(first_prompt["custom_params"])
+        assert tag.mode == "generate" and tag.loss_spans == () and tag.metadata["passes"] == 1
+        assert serving.captures == [prompt for prompt in serving.prompts if "custom_params" in prompt["sampling_params"]]
 
     multi_turn = [json.loads(line) for line in SMALL.read_text().splitlines()][2]["messages"]
     second_turn = chat.render_ids([multi_turn[0], {"role": "assistant", "content": "Sure, here it is."},
@@ -164,10 +183,12 @@ def test_regenerate_sends_the_conversation_so_far_and_captures_the_generated_ids
     assert len(serving.stored) == 8  # one record per assistant turn: 1 + 1 + 2 + 1 + 2 + 1
 
 
-def test_regenerate_one_record_per_conversation_masks_every_generated_turn(tmp_path, chat, tiny_model_dir):
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_regenerate_one_record_per_conversation_masks_every_generated_turn(tmp_path, chat, tiny_model_dir, two_pass):
     serving = FakeServing(chat, answer_text="Yes.")
-    assert fire(tmp_path, serving, tiny_model_dir, mode="regenerate") == 0
+    assert fire(tmp_path, serving, tiny_model_dir, mode="regenerate", two_pass=two_pass) == 0
     assert len(serving.stored) == NUM_SMALL and len(serving.prompts) == 8
+    assert len(serving.captures) == NUM_SMALL  # one pass tags only each conversation's last generation
     for record in serving.stored.values():
         for start, end in record["spans"]:
             assert chat.decode(record["input_ids"][start:end]) == "Yes.<|eos|>"

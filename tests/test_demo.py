@@ -62,21 +62,30 @@ def test_the_demo_runs_every_stage_and_leaves_no_process(tmp_path: Path) -> None
     summary = json.loads((out / "summary.json").read_text())
     assert summary["processes_left"] == [] and summary["capture"]["processes_started"] >= 3  # server tree + collector
 
-    # 24 conversations: every 4th held out; each one record, confirmed, in its own shard directory.
+    # 24 conversations: every 4th held out; each one record, confirmed, in its own shard directory. The
+    # ordinary chat traffic sent while the training set was fired is there too, as live records.
     capture = summary["capture"]
     assert summary["conversations"] == {"train": 18, "heldout": 6, "source": summary["conversations"]["source"]}
     train_ids, heldout_ids = record_ids(out / "captures" / "train"), record_ids(out / "captures" / "heldout")
-    assert len(train_ids) == 18 and len(heldout_ids) == 6 and not train_ids & heldout_ids
+    live_ids = {record_id for record_id in train_ids if record_id.startswith("live-")}
+    live = capture["live"]
+    assert len(train_ids - live_ids) == 18 and len(heldout_ids) == 6 and not train_ids & heldout_ids
+    assert len(live_ids) == live["num_records"] >= 1 and live["sample_rate"] == 1.0
     for name, ids in (("train", train_ids), ("heldout", heldout_ids)):
         stored, fired = capture["collector"][name], capture["fire"][name]
-        assert fired["records_by_state"]["confirmed"] == stored["num_records"] == len(ids)
-        assert stored["num_tokens"] == fired["num_tokens"] and stored["raw_nbytes"] == stored["num_tokens"] * BYTES_PER_TOKEN
+        live_records, live_tokens = (live["num_records"], live["num_tokens"]) if name == "train" else (0, 0)
+        assert fired["records_by_state"]["confirmed"] + live_records == stored["num_records"] == len(ids)
+        assert stored["num_tokens"] == fired["num_tokens"] + live_tokens
+        # Captured in one pass: every record's last token has no state.
+        num_states = stored["num_tokens"] - stored["num_records"]
+        assert stored["raw_nbytes"] == 4 * stored["num_tokens"] + num_states * (BYTES_PER_TOKEN - 4)
         assert stored["stored_nbytes"] < stored["raw_nbytes"]
         shards = sorted((out / "captures" / name).glob(f"*{SEALED_SUFFIX}"))
         assert shards and all(cf.verify_shard(shard).ok for shard in shards)
-    assert capture["plugin"]["dropped"] == {} and capture["plugin"]["captured"] == 24
+    assert capture["plugin"]["dropped"] == {} and capture["plugin"]["captured"] == 24 + live["num_records"]
+    assert capture["plugin"]["captured_live"] == live["num_records"]
 
-    # Ordinary traffic was answered all along, and none of it was captured.
+    # Ordinary traffic was answered all along.
     assert capture["serving"]["num_answered"] > 0 and capture["serving"]["num_failed"] == 0
 
     training, evaluation = summary["training"], summary["evaluation"]

@@ -83,7 +83,7 @@ def test_states_wait_for_every_copy_before_reading() -> None:
         aux, final = torch.zeros(2, 4), torch.zeros(2, 2)
         chunks.append(HostRows(aux=aux, final=final, ready=landing(aux, value)))
     captured = CapturedSequence(tag=CaptureTag(record_id="r", sample_id="s", loss_spans=()), token_ids=[1, 2, 3, 4],
-                                chunks=chunks, loss_spans=(), num_states=4)
+                                chunks=chunks, loss_spans=(), num_states=4, metadata={})
     aux, _ = captured.states()
     assert landed == [1.0, 2.0]
     assert aux[:2].eq(1.0).all() and aux[2:].eq(2.0).all()

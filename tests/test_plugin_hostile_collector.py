@@ -140,7 +140,7 @@ def captured(record_id: str, num_tokens: int = 6, hidden_size: int = 16, num_lay
     final = torch.randn(num_tokens, hidden_size).to(torch.bfloat16)  # (T, H)
     tag = CaptureTag(record_id=record_id, sample_id=record_id, loss_spans=((0, num_tokens),))
     return CapturedSequence(tag=tag, token_ids=list(range(num_tokens)), chunks=[HostRows(aux=aux, final=final)],
-                            loss_spans=tag.loss_spans, num_states=num_tokens)
+                            loss_spans=tag.loss_spans, num_states=num_tokens, metadata={})
 
 
 @pytest.mark.parametrize("behaviour", ["redirect", "drip", "huge_201"])

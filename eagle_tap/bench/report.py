@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, str] = {
     "codecs": "eagle_tap.bench.codecs",
     "collector": "eagle_tap.bench.collector",
     "capture": "eagle_tap.bench.capture",
+    "live": "eagle_tap.bench.live",
     "trainer": "eagle_tap.bench.trainer_pipeline",
     "served": "eagle_tap.bench.served",
 }

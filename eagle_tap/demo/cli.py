@@ -16,6 +16,7 @@ def _demo(args: argparse.Namespace) -> int:
     given = {"conversations": Path(args.conversations)} if args.conversations else {}
     config = Config(out_dir=Path(args.out), replace=args.replace, num_conversations=args.num_conversations,
                     heldout_every=args.heldout_every, max_new_tokens=args.max_new_tokens,
+                    live_sample_rate=args.live_sample_rate,
                     train_steps=args.train_steps, ttt_steps=args.ttt_steps, served_steps=args.served_steps,
                     served_max_new_tokens=args.served_max_new_tokens, **given)
     try:
@@ -49,6 +50,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--conversations", help="JSONL of OpenAI `messages` rows to fire (default: the bundled set)")
     demo.add_argument("--num-conversations", type=int, help="use only the first N bundled conversations")
     demo.add_argument("--heldout-every", type=int, default=8, help="hold out every N-th conversation (default 8)")
+    demo.add_argument("--live-sample-rate", type=float, default=1.0,
+                      help="share of the ordinary chat traffic captured as live records (default 1.0)")
     demo.add_argument("--max-new-tokens", type=int, default=128, help="longest regenerated turn (default 128)")
     demo.add_argument("--train-steps", type=int, default=600, help="training steps (default 600)")
     demo.add_argument("--ttt-steps", type=int, default=7, help="test-time-training unroll while training (default 7)")

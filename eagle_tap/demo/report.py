@@ -45,7 +45,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     loss_tokens = sum(part["num_loss_tokens"] for part in capture["fire"].values())
     failed = sum(part["records_by_state"]["failed"] for part in capture["fire"].values())
     dropped = sum(capture["plugin"].get("dropped", {}).values())
-    serving = capture["serving"]
+    serving, live = capture["serving"], capture["live"]
     latency = serving["latency_ms"]
     left = summary["processes_left"]
     out = Path(summary["out_dir"])
@@ -55,13 +55,15 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("target", f"{Path(target['path']).name}: {target['num_layers']} layers, hidden {target['hidden_size']}, "
                    f"vocab {target['vocab_size']:,} (sha256 {target['sha256'][:12]}... matches its build)"),
         ("conversations", f"{conversations['train']} to train + {conversations['heldout']} held out, answered by the "
-                          f"target itself (fire --regenerate)"),
-        ("captured", f"{stored['num_records']:,} records, {stored['num_tokens']:,} tokens ({loss_tokens:,} in loss "
-                     f"spans); {failed} records failed, {dropped} dropped by the plugin"),
+                          f"target itself and captured as generated (fire --regenerate, one pass)"),
+        ("captured", f"{stored['num_records']:,} records, {stored['num_tokens']:,} tokens ({loss_tokens:,} fired in "
+                     f"loss spans); {failed} records failed, {dropped} dropped by the plugin"),
+        ("live", f"{live['num_records']:,} of those records ({live['num_tokens']:,} tokens) are the ordinary chat "
+                 f"traffic, sampled at {live['sample_rate']:.0%} while the training set was fired; they train too"),
         ("stored", f"states {_mb(stored['raw_nbytes'])} raw -> {_mb(stored['stored_nbytes'])} compressed "
                    f"({stored['raw_nbytes'] / max(stored['stored_nbytes'], 1):.2f}x); {_mb(stored['frame_nbytes'])} "
                    f"on disk with ids, masks and checksums"),
-        ("serving", f"{serving['num_answered']:,} ordinary chat requests answered during capture, "
+        ("serving", f"{serving['num_answered']:,} ordinary chat requests answered while the training set was fired, "
                     f"{serving['num_failed']} failed (latency p50 {latency['p50']} ms, p95 {latency['p95']} ms, "
                     f"{serving['concurrency']} clients)"),
         ("training", f"{training['steps']} steps, loss {training['first_loss']:.3f} at step "

@@ -4,8 +4,12 @@ Stages (each timed; all files under one out_dir):
 1. split the bundled conversations into a training and a held-out set (every `heldout_every`-th one);
 2. start a collector and a CPU SGLang server with the capture plugin, serving the bundled tiny target;
 3. while ordinary untagged chat requests keep coming, `fire --regenerate` the training set (the target
-   answers each turn, the plugin captures prompt + answer); then restart the collector on the same
-   port with a second data directory and fire the held-out set, so the two never share a shard;
+   answers each turn and the plugin captures prompt + answer as it is generated, in one pass); the
+   plugin also captures that ordinary traffic as live records (`live_sample_rate`; the questions
+   come from the training set, so nothing held out is trained on), which join the training shards
+   and are reported apart. Then the traffic stops, its last live records are stored, the collector
+   restarts on the same port with a second data directory and the held-out set is fired, so the two
+   never share a shard;
 4. stop every process the demo started;
 5. vocab mapping, draft config, a short training run, offline evaluation against the baselines, export;
 6. serve the exported draft (and the run's untrained initialisation) with SGLang's EAGLE-3 speculative
@@ -62,7 +66,9 @@ class Config:
     fire_concurrency: int = 8
     """Conversations in flight while firing."""
     serving_concurrency: int = 2
-    """Threads sending ordinary untagged chat requests during capture."""
+    """Threads sending ordinary untagged chat requests while the training set is captured."""
+    live_sample_rate: float = 1.0
+    """Share of that ordinary traffic the plugin captures as live records (EAGLE_TAP_LIVE_SAMPLE_RATE)."""
     draft_vocab_size: int = 1024
     """Draft vocabulary (shrunk to the distinct tokens seen when fewer)."""
     train_steps: int = 600
@@ -195,7 +201,7 @@ def capture(config: Config, out: Path, train_data: Path, heldout_data: Path) -> 
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
     plugin_env = {"EAGLE_TAP_COLLECTOR_URL": f"http://127.0.0.1:{collector_port}", "EAGLE_TAP_TOKEN": token,
-                  "EAGLE_TAP_SPOOL_DIR": str(out / "spool")}
+                  "EAGLE_TAP_SPOOL_DIR": str(out / "spool"), "EAGLE_TAP_LIVE_SAMPLE_RATE": str(config.live_sample_rate)}
     result: dict[str, Any] = {"collector": {}, "fire": {}}
     started: dict[int, Any] = {}  # every process seen below us once all are up: the stops must end them all
 
@@ -207,7 +213,7 @@ def capture(config: Config, out: Path, train_data: Path, heldout_data: Path) -> 
         print(f"collector {collector.url} -> {collector.data_dir}", flush=True)
         print("starting SGLang (CPU) with the capture plugin ...", flush=True)
         server = SGLangServer(ServerConfig(model_path=TINY_MODEL_DIR, env=plugin_env, log_path=logs / "sglang.log"))
-        traffic = ServingTraffic(server.url, user_questions(heldout_data), concurrency=config.serving_concurrency)
+        traffic = ServingTraffic(server.url, user_questions(train_data), concurrency=config.serving_concurrency)
         stack.callback(traffic.stop)  # registered first, runs after the server's stop: no wait on a stuck server
         stack.enter_context(server)
         remember()
@@ -215,7 +221,10 @@ def capture(config: Config, out: Path, train_data: Path, heldout_data: Path) -> 
         traffic.start()
         for name, data_path in (("train", train_data), ("heldout", heldout_data)):
             if name == "heldout":  # a fresh data directory on the same port: the held-out set gets its own shards
+                result["serving"] = traffic.stop()  # no live record may reach the held-out shards
+                _wait_for_live_records(collector, token, out / "spool", result["fire"]["train"]["num_records"])
                 result["collector"]["train"] = _stop_collector(collector, token)
+                result["live"] = {**_live_records(collector.data_dir), "sample_rate": config.live_sample_rate}
                 collector = _start_collector(stack, out / "captures" / "heldout", collector_port, token)
                 remember()
                 print(f"collector restarted -> {collector.data_dir}", flush=True)
@@ -224,7 +233,6 @@ def capture(config: Config, out: Path, train_data: Path, heldout_data: Path) -> 
             result["fire"][name] = _fire(config, server.url, collector.url, token, data_path,
                                          out / "runs" / f"fire-{name}", temperature)
         result["collector"]["heldout"] = _stop_collector(collector, token)
-        result["serving"] = traffic.stop()
         result["plugin"] = _plugin_stats(out / "spool")
     result["processes_started"] = len(started)
     result["processes_left"] = still_running(list(started.values()))
@@ -240,6 +248,31 @@ def _start_collector(stack: contextlib.ExitStack, data_dir: Path, port: int, tok
                                  log_path=data_dir.parent.parent / "logs" / "collector.log")
     stack.callback(collector.stop)
     return collector
+
+
+def _wait_for_live_records(collector, token: str, spool_dir: Path, num_fired: int,
+                           timeout_s: float = 120.0) -> None:
+    """Once the ordinary traffic stopped: waits until the collector holds every live record the plugin
+    captured (next to the fired ones), so none is spooled into the held-out directory."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        captured = _plugin_stats(spool_dir).get("captured_live", 0)
+        stored = collector.stats(token)["num_records"] - num_fired
+        if stored >= captured:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the collector holds {stored} of the {captured} live records the plugin captured "
+                               f"after {timeout_s:.0f} s; see {spool_dir}")
+        time.sleep(0.2)
+
+
+def _live_records(shard_dir: Path) -> dict[str, Any]:
+    """How many live records (and tokens) a sealed shard directory holds."""
+    import capture_format as cf
+
+    with cf.ShardDirectory(shard_dir) as shards:
+        live = [entry for entry in shards.iter_index() if entry.record_id.startswith("live-")]
+    return {"num_records": len(live), "num_tokens": sum(entry.num_tokens for entry in live)}
 
 
 def _stop_collector(collector, token: str) -> dict[str, Any]:
