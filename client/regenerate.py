@@ -23,12 +23,14 @@ import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from capture_format.tag import TAG_KEY
 from client.spans import ChatTokenizer, SpanError, TokenizedSequence
 
 __all__ = ["RegeneratedTurn", "SamplingConfig", "conversation_sequence", "earlier_turn_spans", "regenerate_turns",
            "turns_to_generate"]
 
 Generate = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+OPT_OUT = {TAG_KEY: {"opt_out": True}}
 TagTurn = Callable[[int, tuple[int, ...], Sequence[dict[str, str]]], "dict[str, Any] | None"]
 
 
@@ -96,8 +98,9 @@ async def regenerate_turns(chat: ChatTokenizer, messages: Sequence[dict[str, str
         prompt_ids = chat.render_ids(messages[:index], add_generation_prompt=True)
         sampling_params = _sampling_params(config, chat.stop_token_ids)
         custom_params = tag_turn(index, tuple(prompt_ids), messages) if tag_turn is not None else None
-        if custom_params is not None:
-            sampling_params["custom_params"] = custom_params
+        # A turn not captured by this request opts out of the server's live sampling: fire decides what
+        # it captures, and a turn generated only as history must not come back as a live record.
+        sampling_params["custom_params"] = custom_params if custom_params is not None else OPT_OUT
         answer = await generate({"input_ids": prompt_ids, "sampling_params": sampling_params})
         generated_ids = tuple(int(token) for token in answer["output_ids"])
         if not generated_ids:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -136,7 +137,20 @@ class Sender:
         self._stats.write(self.stats_path)
         logger.info(self._stats.summary())
 
+    def _lower_priority(self) -> None:
+        """Lowers this thread's priority by `sender_nice` (Linux: setpriority on a thread id affects that
+        thread only): the forward's threads go first when the CPU is short."""
+        if self._settings.sender_nice <= 0 or not hasattr(os, "setpriority"):
+            return
+        try:
+            thread_id = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, thread_id,
+                           min(os.getpriority(os.PRIO_PROCESS, thread_id) + self._settings.sender_nice, 19))
+        except OSError as error:
+            logger.warning("eagle-tap: could not lower the sender thread's priority: %s", error)
+
     def _run(self) -> None:
+        self._lower_priority()
         cpu_ns = time.thread_time_ns()
         while True:
             now_cpu_ns = time.thread_time_ns()  # the sender's own CPU: encoding, HTTP, spool

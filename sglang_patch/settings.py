@@ -54,6 +54,9 @@ class CaptureSettings(BaseSettings):
     """Raw bytes of captures coalesced into one POST (a single larger capture goes alone)."""
     batch_max_age_s: float = Field(default=0.05, ge=0)
     """How long the sender waits for more captures to fill a POST, from the oldest one queued."""
+    sender_nice: int = Field(default=10, ge=0, le=19)
+    """How much lower the sender thread's CPU priority is than the server's (Linux nice, per thread), so
+    compressing and sending yield the CPU to serving when cores are short; 0 leaves it as it is."""
     host_buffer_bytes: int = Field(default=2 << 30, ge=1)
     """On CUDA: pinned host memory for device copies in flight; past it captures are dropped and counted."""
     stats_path: Path | None = None

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from capture_format.tag import CaptureTag
 from client.conversations import Conversation, read_conversations
 from capture_format.token_frequencies import read_token_frequencies as read_frequencies
 from client.manifest import Manifest
@@ -86,8 +87,8 @@ class WireLog(httpx.AsyncBaseTransport):
 
     def captured_ids(self) -> list[str]:
         """Record ids of the capture requests sent, answered or not (a cancelled one may still be served)."""
-        return [request["sampling_params"]["custom_params"]["eagle_tap"]["record_id"]
-                for request in self.requests if "custom_params" in request["sampling_params"]]
+        return [tag.record_id for request in self.requests
+                if (tag := CaptureTag.from_custom_params(request["sampling_params"].get("custom_params")))]
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.path != "/generate":
@@ -97,7 +98,8 @@ class WireLog(httpx.AsyncBaseTransport):
         response = await self._inner.handle_async_request(request)
         await response.aread()
         self.exchanges.append((body, json.loads(response.content)))
-        num_answered = sum("custom_params" in sent["sampling_params"] for sent, _ in self.exchanges)
+        num_answered = sum(CaptureTag.from_custom_params(sent["sampling_params"].get("custom_params")) is not None
+                           for sent, _ in self.exchanges)
         if num_answered == self.interrupt_after_captures:
             os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C does; handled by the run's event loop
         return response
@@ -152,7 +154,11 @@ def test_regenerate_captures_exactly_what_the_target_generated(server, collector
                    if request["sampling_params"]["max_new_tokens"] == 12]
     assert len(generations) == 8  # every assistant turn of the dataset, in order
     num_records = 8 if records_per == "turn" else NUM_SMALL
-    tagged = [request for request, _ in wire.exchanges if "custom_params" in request["sampling_params"]]
+    tagged = [request for request, _ in wire.exchanges
+              if CaptureTag.from_custom_params(request["sampling_params"].get("custom_params"))]
+    # What fire does not capture itself is kept out of the server's live sampling.
+    assert all(request["sampling_params"]["custom_params"] == {"eagle_tap": {"opt_out": True}}
+               for request, _ in wire.exchanges if request not in tagged)
     if passes == 1:  # the generation requests themselves are the captures: no second request
         assert len(wire.exchanges) == 8 and len(tagged) == num_records
     else:

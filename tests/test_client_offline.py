@@ -164,13 +164,14 @@ def test_regenerate_sends_the_conversation_so_far_and_captures_the_generated_ids
     first_prompt = serving.prompts[0]["sampling_params"]
     assert first_prompt["temperature"] == 0.5 and first_prompt["top_p"] == 0.9 and first_prompt["max_new_tokens"] == 7
     assert first_prompt["stop_token_ids"] == [chat.tokenizer.eos_token_id]
-    if two_pass:  # generated untagged, then captured by a prefill-only request per record
-        assert "custom_params" not in first_prompt and len(serving.captures) == 8
+    if two_pass:  # generated untagged (and out of live sampling), then captured by a prefill-only request
+        assert first_prompt["custom_params"] == {"eagle_tap": {"opt_out": True}} and len(serving.captures) == 8
         assert all(capture["sampling_params"]["max_new_tokens"] == 0 for capture in serving.captures)
     else:  # each turn's own generation request is the capture
         tag = CaptureTag.from_custom_params(first_prompt["custom_params"])
         assert tag.mode == "generate" and tag.loss_spans == () and tag.metadata["passes"] == 1
-        assert serving.captures == [prompt for prompt in serving.prompts if "custom_params" in prompt["sampling_params"]]
+        assert serving.captures == [prompt for prompt in serving.prompts
+                                    if CaptureTag.from_custom_params(prompt["sampling_params"]["custom_params"])]
 
     multi_turn = [json.loads(line) for line in SMALL.read_text().splitlines()][2]["messages"]
     second_turn = chat.render_ids([multi_turn[0], {"role": "assistant", "content": "Sure, here it is."},

@@ -207,3 +207,21 @@ def test_generations_retracted_under_kv_pressure_give_correct_records(start_sgla
         assert record.token_ids.tolist() == prompts[index] + answer["output_ids"]
         check_against_prefill_capture(server, collector, record, f"retract-{index}")
     assert stored + sum(stats.get("dropped", {}).values()) >= len(prompts)
+
+
+def test_a_generation_ended_by_a_stop_string_stores_what_the_client_received(live_server, collector, tokenizer):
+    server, _ = live_server
+    ids = prompt_ids(tokenizer, 5, 30)
+    sampling = {"max_new_tokens": 24, "temperature": 0}
+    free = post_json(f"{server.url}/generate", {"input_ids": ids, "sampling_params": sampling})
+    text = free["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # ends the answer half way
+    assert stop.strip(), f"the tiny model's answer has no usable middle: {text!r}"
+    tag = CaptureTag(record_id="stopped", sample_id="stopped", loss_spans=(), mode="generate")
+    answer = post_json(f"{server.url}/generate", {"input_ids": ids, "sampling_params": {
+        **sampling, "stop": [stop], "custom_params": tag.to_custom_params()}})
+    assert answer["meta_info"]["finish_reason"]["type"] == "stop"
+    assert len(answer["output_ids"]) < len(free["output_ids"])
+    record = stored_record(collector, "stopped")
+    assert record.token_ids.tolist() == ids + answer["output_ids"]
+    assert record.metadata["finish_reason"] == "stop" and record.num_states == record.num_tokens - 1

@@ -63,3 +63,21 @@ def test_a_spool_filled_while_the_collector_was_down_drains_in_batches(tmp_path)
         assert snapshot["resent_from_spool"] == 12 and len(spool) == 0 and snapshot["posts"] == 1
         offsets = [collector.store.lookup(f"late-{index}").offset for index in range(12)]
         assert offsets == sorted(offsets), "spooled frames reach the collector in capture order"
+
+
+def test_the_sender_thread_yields_the_cpu_to_serving(tmp_path) -> None:
+    import os
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    with ThreadedCollector(data_dir=tmp_path / "data") as collector:
+        for nice, expected in ((7, min(base + 7, 19)), (0, base)):
+            sender, _, _ = start_sender(tmp_path, collector.url, sender_nice=nice)
+            try:
+                deadline = time.monotonic() + 10
+                while os.getpriority(os.PRIO_PROCESS, sender._thread.native_id) != expected \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert os.getpriority(os.PRIO_PROCESS, sender._thread.native_id) == expected
+            finally:
+                sender.close()
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # only the sender's own thread

@@ -16,7 +16,7 @@ def _demo(args: argparse.Namespace) -> int:
     given = {"conversations": Path(args.conversations)} if args.conversations else {}
     config = Config(out_dir=Path(args.out), replace=args.replace, num_conversations=args.num_conversations,
                     heldout_every=args.heldout_every, max_new_tokens=args.max_new_tokens,
-                    live_sample_rate=args.live_sample_rate,
+                    live_sample_rate=args.live_sample_rate, two_pass=args.two_pass,
                     train_steps=args.train_steps, ttt_steps=args.ttt_steps, served_steps=args.served_steps,
                     served_max_new_tokens=args.served_max_new_tokens, **given)
     try:
@@ -52,6 +52,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--heldout-every", type=int, default=8, help="hold out every N-th conversation (default 8)")
     demo.add_argument("--live-sample-rate", type=float, default=1.0,
                       help="share of the ordinary chat traffic captured as live records (default 1.0)")
+    demo.add_argument("--two-pass", action="store_true",
+                      help="capture each conversation by a second, prefill-only request after generating it "
+                      "(default: one pass, captured while generated)")
     demo.add_argument("--max-new-tokens", type=int, default=128, help="longest regenerated turn (default 128)")
     demo.add_argument("--train-steps", type=int, default=600, help="training steps (default 600)")
     demo.add_argument("--ttt-steps", type=int, default=7, help="test-time-training unroll while training (default 7)")

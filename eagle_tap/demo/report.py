@@ -46,6 +46,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     failed = sum(part["records_by_state"]["failed"] for part in capture["fire"].values())
     dropped = sum(capture["plugin"].get("dropped", {}).values())
     serving, live = capture["serving"], capture["live"]
+    how_captured = ("captured by a second prefill (fire --regenerate --two-pass)" if capture.get("two_pass")
+                    else "captured as generated (fire --regenerate, one pass)")
     latency = serving["latency_ms"]
     left = summary["processes_left"]
     out = Path(summary["out_dir"])
@@ -55,7 +57,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("target", f"{Path(target['path']).name}: {target['num_layers']} layers, hidden {target['hidden_size']}, "
                    f"vocab {target['vocab_size']:,} (sha256 {target['sha256'][:12]}... matches its build)"),
         ("conversations", f"{conversations['train']} to train + {conversations['heldout']} held out, answered by the "
-                          f"target itself and captured as generated (fire --regenerate, one pass)"),
+                          f"target itself and {how_captured}"),
         ("captured", f"{stored['num_records']:,} records, {stored['num_tokens']:,} tokens ({loss_tokens:,} fired in "
                      f"loss spans); {failed} records failed, {dropped} dropped by the plugin"),
         ("live", f"{live['num_records']:,} of those records ({live['num_tokens']:,} tokens) are the ordinary chat "

@@ -69,6 +69,8 @@ class Config:
     """Threads sending ordinary untagged chat requests while the training set is captured."""
     live_sample_rate: float = 1.0
     """Share of that ordinary traffic the plugin captures as live records (EAGLE_TAP_LIVE_SAMPLE_RATE)."""
+    two_pass: bool = False
+    """Fire with --two-pass (generate, then capture each sequence by a second prefill) instead of one pass."""
     draft_vocab_size: int = 1024
     """Draft vocabulary (shrunk to the distinct tokens seen when fewer)."""
     train_steps: int = 600
@@ -202,7 +204,7 @@ def capture(config: Config, out: Path, train_data: Path, heldout_data: Path) -> 
     logs.mkdir(exist_ok=True)
     plugin_env = {"EAGLE_TAP_COLLECTOR_URL": f"http://127.0.0.1:{collector_port}", "EAGLE_TAP_TOKEN": token,
                   "EAGLE_TAP_SPOOL_DIR": str(out / "spool"), "EAGLE_TAP_LIVE_SAMPLE_RATE": str(config.live_sample_rate)}
-    result: dict[str, Any] = {"collector": {}, "fire": {}}
+    result: dict[str, Any] = {"collector": {}, "fire": {}, "two_pass": config.two_pass}
     started: dict[int, Any] = {}  # every process seen below us once all are up: the stops must end them all
 
     def remember() -> None:
@@ -291,6 +293,7 @@ def _fire(config: Config, server_url: str, collector_url: str, token: str, data_
 
     fire_config = FireConfig(
         server_url=server_url, collector_url=collector_url, data_path=data_path, run_dir=run_dir, mode="regenerate",
+        two_pass=config.two_pass,
         run_id=f"demo-{data_path.stem}", concurrency=config.fire_concurrency, collector_token=token,
         sampling=SamplingConfig(temperature=temperature, max_new_tokens=config.max_new_tokens),
         http=HttpConfig(max_connections=2 * config.fire_concurrency + 4))
