@@ -163,7 +163,7 @@ def test_default_codec_is_bf16_split_for_bfloat16() -> None:
 
 
 def test_bf16_split_is_rejected_for_float32_records() -> None:
-    with pytest.raises(CodecError, match="bf16-split.*got 4-byte elements"):
+    with pytest.raises(CodecError, match="bf16-split.*got float32 .4-byte elements"):
         encode_frame(make_record("float32"), "bf16-split")
     with pytest.raises(UnknownCodecError, match="available: raw, zstd:N"):
         encode_frame(make_record(), "zstdd")
