@@ -20,8 +20,8 @@ What must hold, beyond `codec_base`:
   function, so a frame's `raw_xxh3_64` (which hashes the decoded bytes) holds on every reader, and
   decoding gives the dtype the input had;
 - non-finite input (NaN, +-inf) is refused with CodecError (the plugin then drops and counts the
-  record): a codec with a scale cannot represent it. An all-zero row gets scale 0 and decodes to +0;
-  the sign of a zero is not kept;
+  record): a codec with a scale cannot represent it. An all-zero row gets scale 0 and decodes to zeros;
+  e4m3 keeps the sign of a zero, int8 (which has one zero) does not;
 - stored scales must be finite and >= 0 and the stored error sums finite and >= 0, checked before
   decoding; the e4m3fn NaN codes (0x7f, 0xff), which the encoder never writes, decode to NaN.
 """
