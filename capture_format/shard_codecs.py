@@ -1,4 +1,4 @@
-"""Which codecs the records of a shard directory use, and the error the lossy ones measured.
+"""Which codecs the records of a shard directory use, the error the lossy ones measured; re-encoding shards.
 
 Reads each record's frame prefix and header and, for a lossy tensor, the error sums at the start of
 its stored bytes (`codecs_lossy.py`): no tensor is decoded, so this is cheap next to verifying.
@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from capture_format.codec_base import ErrorSums
 from capture_format.codecs import get_codec
 from capture_format.errors import CaptureFormatError
-from capture_format.frames import FRAME_PREFIX_NBYTES, check_header, parse_frame_prefix
-from capture_format.shard_index import IndexEntry
+from capture_format.frames import FRAME_PREFIX_NBYTES, check_header, codec_for_states, parse_frame_prefix
+from capture_format.shard_index import IndexEntry, ShardIndex
 from capture_format.shard_reader import ShardDirectory
+from capture_format.shards import write_shards
 
-__all__ = ["CodecTally", "codec_summary", "format_codec_summary"]
+__all__ = ["CodecTally", "codec_summary", "format_codec_summary", "recode_shards"]
 
 _MAX_ERROR_PREFIX_NBYTES = 64
 
@@ -89,3 +91,15 @@ def format_codec_summary(tallies: dict[str, CodecTally]) -> list[str]:
             line += ", lossless"
         lines.append(line)
     return lines
+
+
+def recode_shards(source: ShardDirectory, out_dir: Path, codec: str) -> list[ShardIndex]:
+    """Writes every record of source's sealed shards into new sealed shards in out_dir, aux and final stored with
+    codec, one shard per source shard. Records are read and verified as a trainer reads them."""
+    indexes: list[ShardIndex] = []
+    for shard in source.shards:
+        records = [source.read_record(entry) for entry in shard.entries]
+        if records:
+            codec_for_states(records[0].dtype, codec)  # a codec that cannot store the states fails before writing
+            indexes += write_shards(records, out_dir, records_per_shard=len(records), codec=codec)
+    return indexes

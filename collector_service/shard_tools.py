@@ -20,16 +20,8 @@ from collections import Counter
 from pathlib import Path
 from typing import TextIO
 
-from capture_format import (
-    ShardDirectory,
-    ShardError,
-    codec_for_states,
-    load_index,
-    repair_shard,
-    verify_shard,
-    write_shards,
-)
-from capture_format.shard_codecs import codec_summary, format_codec_summary
+from capture_format import ShardDirectory, ShardError, load_index, repair_shard, verify_shard
+from capture_format.shard_codecs import codec_summary, format_codec_summary, recode_shards
 from capture_format.shard_index import (
     INDEX_SUFFIX,
     QUARANTINE_DIR_NAME,
@@ -134,16 +126,11 @@ def recode_directory(data_dir: Path, out_dir: Path, codec: str, *, out: TextIO) 
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"{out_dir} is not empty; recode writes into a new or empty folder")
     out_dir.mkdir(parents=True, exist_ok=True)
-    raw_nbytes = stored_nbytes = num_records = 0
     with ShardDirectory(data_dir) as shards:
-        for shard in shards.shards:
-            records = [shards.read_record(entry) for entry in shard.entries]
-            for record in records[:1]:
-                codec_for_states(record.dtype, codec)  # a codec that cannot store the states fails up front
-            for index in write_shards(records, out_dir, records_per_shard=max(1, len(records)), codec=codec):
-                raw_nbytes += index.raw_nbytes
-                stored_nbytes += index.stored_nbytes
-                num_records += index.num_records
+        indexes = recode_shards(shards, out_dir, codec)
+    raw_nbytes = sum(index.raw_nbytes for index in indexes)
+    stored_nbytes = sum(index.stored_nbytes for index in indexes)
+    num_records = sum(index.num_records for index in indexes)
     ratio = f"{raw_nbytes / stored_nbytes:.3f}" if stored_nbytes else "-"
     print(f"recoded {num_records:,} records of {data_dir} into {out_dir} with {codec}: compression ratio {ratio}",
           file=out)

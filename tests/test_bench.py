@@ -16,8 +16,8 @@ from eagle_tap.bench import codecs, trainer_pipeline
 from eagle_tap.bench.report import render_markdown, run_benchmarks, write_report
 from eagle_tap.cli import main
 
-CODECS = codecs.Config(num_tokens=2048, codecs=("raw", "zstd:1", "bf16-split"), frame_codecs=("bf16-split",),
-                       repeats=1)
+CODECS = codecs.Config(num_tokens=2048, codecs=("raw", "zstd:1", "bf16-split", "int8-row"),
+                       frame_codecs=("bf16-split", "int8-row"), frame_tokens=512, repeats=1, acceptance=None)
 TRAINER = trainer_pipeline.Config(num_records=12, min_tokens=24, max_tokens=64, max_length=64, batch_size=4,
                                   loader_workers=(0, 2), loader_passes=2, train_steps=1, ttt_steps=2,
                                   draft_vocab_size=64)
@@ -43,11 +43,16 @@ def test_codec_bench_on_the_tiny_models_states(report: dict) -> None:
     result = report["benchmarks"]["codecs"]
     _check_well_formed(result)
     rows = {row["item"]: row for row in result["rows"]}
-    assert list(rows) == ["raw", "zstd:1", "bf16-split (default)", "frame, bf16-split (checksums, verify)"]
+    frame_rows = [f"frames of 512 tokens, {codec} (checksums, verify)" for codec in ("bf16-split", "int8-row")]
+    assert list(rows) == ["raw", "zstd:1", "bf16-split (default)", "int8-row", *frame_rows]
     assert rows["raw"]["ratio"] == 1.0 and rows["raw"]["decompress_mb_s"] is None
     # Real states compress: the high byte (sign, exponent) repeats; bf16-split beats plain zstd on them.
     assert rows["bf16-split (default)"]["ratio"] > rows["zstd:1"]["ratio"] > 1.0
-    assert rows["frame, bf16-split (checksums, verify)"]["ratio"] > 1.0
+    assert rows[frame_rows[0]]["ratio"] > 1.0
+    # A lossy codec stores less and says what it costs: a small, nonzero error; lossless ones none.
+    assert rows["int8-row"]["ratio"] > 1.8 and 0 < rows["int8-row"]["relative_error"] < 0.02
+    assert rows["bf16-split (default)"]["relative_error"] == 0.0
+    assert "acceptance of drafts trained on each codec: skipped" in " ".join(result["notes"])
     assert result["summary"]["raw_mb"] == pytest.approx(2048 * 4 * 128 * 2 / 1e6)
     assert result["parameters"]["source"] == "tiny-model"
 
