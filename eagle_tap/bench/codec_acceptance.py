@@ -34,16 +34,18 @@ class AcceptanceConfig:
     codecs: tuple[str, ...] = ("bf16-split", "int8-row", "e4m3-row", "int8-channel")
     """The first is the lossless baseline (the captures as stored); the others re-encode the training shards."""
     seeds: tuple[int, ...] = (0, 1, 2)
-    train_steps: int = 150
-    """Optimizer steps per run (the demo's other settings: batch 8, lr 3e-3, ttt 7, draft vocab 1024)."""
+    train_steps: int = 100
+    """Optimizer steps per run (the demo's other settings: batch 8, lr 3e-3, draft vocab 1024)."""
+    ttt_steps: int = 3
+    """TTT unroll while training: the acceptance length at chain_length needs no more, and training cost grows
+    with it (7 steps: about 1.7 CPU-s per step on the project's machine; 12 runs would take 35 minutes)."""
     chain_length: int = 3
     """k of the acceptance length reported (draft tokens per verify step; the demo serves k = 3)."""
-    num_threads: int | None = None
-    """torch threads per training run (None: torch's default)."""
+    num_threads: int | None = 1
+    """torch threads per training run (None: torch's default; one leaves the other core to other work)."""
 
 
-def _train_one(work: Path, shards: Path, heldout: Path, seed: int, steps: int, name: str,
-               num_threads: int | None) -> Path:
+def _train_one(work: Path, shards: Path, seed: int, config: AcceptanceConfig, name: str) -> Path:
     from trainer.config_io import config_from_dict
     from trainer.train import Config as TrainConfig
     from trainer.train import train
@@ -53,11 +55,12 @@ def _train_one(work: Path, shards: Path, heldout: Path, seed: int, steps: int, n
     run_dir = work / "runs" / f"{name}-seed{seed}"
     settings = {
         "target": str(TINY_MODEL_DIR), "draft_config": str(work / "draft-config.json"), "vocab": str(work / "vocab"),
-        "out_dir": str(run_dir), "seed": seed, "num_threads": num_threads,
+        "out_dir": str(run_dir), "seed": seed, "num_threads": config.num_threads,
         "data": {"shards": str(shards), "batch_size": 8, "max_length": 512, "seed": seed},
-        "objective": {"ttt_steps": 7},
-        "optimizer": {"learning_rate": 3e-3, "warmup_steps": max(1, steps // 10)},
-        "num_steps": steps, "log_every": max(1, steps // 5), "checkpoint_every": 0, "eval_every": 0,
+        "objective": {"ttt_steps": config.ttt_steps},
+        "optimizer": {"learning_rate": 3e-3, "warmup_steps": max(1, config.train_steps // 10)},
+        "num_steps": config.train_steps, "log_every": max(1, config.train_steps // 5), "checkpoint_every": 0,
+        "eval_every": 0,
         "progress_bar": False,
     }
     train(config_from_dict(TrainConfig, settings))
@@ -97,6 +100,8 @@ def measure_acceptance(config: AcceptanceConfig, work: Path, log) -> dict[str, A
 
     from eagle_tap.tiny_model import TINY_MODEL_DIR
 
+    if config.ttt_steps < config.chain_length:
+        raise ValueError(f"ttt_steps {config.ttt_steps} must be at least chain_length {config.chain_length}")
     if len(config.seeds) < 2:
         raise ValueError(f"the acceptance table needs at least 2 seeds for a spread; got {config.seeds}")
     train_shards, heldout_shards = _captures(config, work, log)
@@ -118,8 +123,7 @@ def measure_acceptance(config: AcceptanceConfig, work: Path, log) -> dict[str, A
         accuracies, lengths = [], []
         for seed in config.seeds:
             log(f"codec acceptance: {codec}, seed {seed}: training {config.train_steps} steps ...")
-            run_dir = _train_one(work, shards, heldout_shards, seed, config.train_steps, codec.replace(":", "-"),
-                                 config.num_threads)
+            run_dir = _train_one(work, shards, seed, config, codec.replace(":", "-"))
             result = evaluate(run_dir, heldout_shards, max_length=512)
             draft = result["drafts"]["draft"]
             accuracy, length = draft["step_accuracy"][0], draft["acceptance_length"][config.chain_length - 1]
