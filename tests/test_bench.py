@@ -104,3 +104,31 @@ def test_bench_command_rejects_an_unknown_benchmark(capsys: pytest.CaptureFixtur
         main(["bench", "--only", "codecs,codec"])
     assert exit_info.value.code == 2
     assert "unknown benchmark 'codec'; available: codecs, collector, capture, trainer" in capsys.readouterr().err
+
+
+def test_codec_acceptance_trains_paired_drafts_per_codec_and_evaluates_them_on_lossless_held_out_shards(
+        tmp_path) -> None:
+    from trainer_data import shard_dir
+
+    from eagle_tap.bench.codec_acceptance import AcceptanceConfig, measure_acceptance
+
+    demo = tmp_path / "demo"
+    (demo / "captures").mkdir(parents=True)
+    (demo / "captures" / "train").symlink_to(shard_dir(0, 24))
+    (demo / "captures" / "heldout").symlink_to(shard_dir(64, 8))
+    config = AcceptanceConfig(demo_run=str(demo), codecs=("bf16-split", "int8-row"), seeds=(0, 1), train_steps=3)
+    measured = measure_acceptance(config, tmp_path / "work", log=lambda line: None)
+    rows = {row["codec"]: row for row in measured["rows"]}
+    assert list(rows) == ["bf16-split", "int8-row"]
+    assert not rows["bf16-split"]["lossy"] and rows["bf16-split"]["relative_error"] == 0.0
+    assert rows["int8-row"]["lossy"] and 0 < rows["int8-row"]["relative_error"] < 0.02
+    assert rows["int8-row"]["ratio"] > 1.8 > rows["bf16-split"]["ratio"]
+    assert [(run["codec"], run["seed"]) for run in measured["runs"]] == [
+        ("bf16-split", 0), ("bf16-split", 1), ("int8-row", 0), ("int8-row", 1)]
+    for row in rows.values():
+        assert 0 <= row["step0_accuracy"] <= 1 and row["acceptance_length"] >= 1
+        assert row["acceptance_length"] == pytest.approx(sum(row["per_seed_acceptance_length"]) / 2)
+    assert rows["bf16-split"]["acceptance_delta"] == 0 and rows["bf16-split"]["within_seed_noise"]
+    # The lossy run trained on re-encoded shards; the held-out shards stayed the lossless ones.
+    assert (tmp_path / "work" / "shards" / "int8-row").is_dir()
+    assert measured["heldout_shards"] == str(demo / "captures" / "heldout")
