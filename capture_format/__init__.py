@@ -7,7 +7,7 @@ in README.md next to this file.
 """
 
 from capture_format.bfloat16 import bfloat16_bits_from_float32, float32_from_bfloat16_bits
-from capture_format.codecs import AVAILABLE_CODECS, Codec, get_codec
+from capture_format.codecs import AVAILABLE_CODECS, Codec, ErrorSums, TensorLayout, get_codec
 from capture_format.errors import (
     CaptureFormatError,
     ChecksumError,
@@ -35,6 +35,7 @@ from capture_format.frames import (
     codec_for_states,
     decode_frame,
     encode_frame,
+    frame_errors,
     inspect_frame,
     parse_frame_prefix,
     read_frame_prefix,
@@ -78,11 +79,13 @@ __all__ = [
     "LayerConfigError",
     "RecoveryReport",
     "DamagedShard",
+    "ErrorSums",
     "ShardDirectory",
     "ShardError",
     "ShardIndex",
     "ShardWriter",
     "TensorInfo",
+    "TensorLayout",
     "UnknownCodecError",
     "VerifyReport",
     "bfloat16_bits_from_float32",
@@ -92,6 +95,7 @@ __all__ = [
     "validate_capture_layers",
     "decode_frame",
     "encode_frame",
+    "frame_errors",
     "float32_from_bfloat16_bits",
     "codec_for_states",
     "get_codec",

@@ -1,157 +1,73 @@
 """Codecs: how one tensor's little-endian bytes are stored inside a frame.
 
-What must hold:
-- `decode(encode(data, itemsize), len(data)) == data`, bit for bit, for every codec here
-  (all are lossless; NaN payloads, signed zeros and subnormals survive);
-- `decode` returns exactly raw_nbytes bytes or raises `CodecError`, and checks the sizes the stored
-  bytes declare before it allocates, so hostile bytes cannot make it allocate more than raw_nbytes;
-- a codec object is stateless and shared by threads: zstd contexts, which are not thread-safe,
-  live in thread-local storage and are reused across calls.
-
-Stored layouts (all integers little-endian):
+The interface, the `TensorLayout` a codec is told (dtype and shape, from the frame header) and what
+must hold for every codec are in `codec_base.py`; the lossy codecs are in `codecs_lossy.py`.
+Lossless codecs (`decode(encode(data)) == data` bit for bit: NaN payloads, signed zeros and
+subnormals survive) and their stored layouts (all integers little-endian):
 - `raw`: the bytes themselves.
 - `zstd:N`: one zstd frame (level N, 1..22) with its content size in the frame header and no zstd
   checksum (frames carry xxh3 checksums). Bare `zstd` means `zstd:1`: on hidden states levels 1-19
   compress within 1% of each other and level 1 is the fastest.
-- `bf16-split`, for 2-byte elements: `[u64 H][H bytes: zstd frame of the high-byte plane]
+- `bf16-split`, for 2-byte elements: `[u64 Z][Z bytes: zstd frame of the high-byte plane]
   [N bytes: low-byte plane]`, N = number of elements. The high byte of a bfloat16 holds the sign
   and the top 7 exponent bits, which repeat a lot in hidden states; the low byte (last exponent bit
   and 7 mantissa bits) is close to random, so compressing it costs time and gains nothing. The high
   plane is nearly independent bytes with a skewed histogram: the gain is zstd's entropy coding, not
-  its matches, so it is compressed with a 256-entry match table (`_HIGH_PLANE_PARAMS`), 1.4-3x faster
-  than level 1 at a ratio within 0.5% (tiny model's states) or 1.5% better (residual-like states).
-  Any zstd decoder reads it; the choice of parameters is not part of the format.
-A new codec (for instance a lossy fp8-e4m3 with per-row scales) is a `Codec` subclass plus its
-spec strings in `_build_registry`; frame headers name the codec per tensor, so old frames still read.
+  its matches, so it is compressed with a 256-entry match table (`ENTROPY_PLANE_PARAMS`).
+- `bf16-channel`, for 2-byte elements: `[u64 Z][C bytes: reference high byte per channel]
+  [Z bytes: zstd frame of the aligned high plane][N bytes: low-byte plane]`, C = values per token
+  (every axis but the first). Each channel of a hidden state has its own typical magnitude, so the
+  high bytes of one channel cluster around a value of their own: their entropy given the channel
+  (2.47 bits on the tiny target) is well below their entropy overall (3.39). The encoder takes as
+  the reference of each channel the high byte of its mean |value| over up to 32 evenly spaced
+  tokens, and stores `(high - reference) mod 256` for every value of the channel: the histogram
+  zstd's entropy coder sees is then that of one channel. The decoder adds the reference back. How
+  the encoder picks references is not part of the format: any byte per channel decodes.
+A new codec is a `Codec` subclass plus its spec strings in `_build_registry`; frame headers name the
+codec per tensor, so old frames still read.
 """
 
 from __future__ import annotations
 
-import abc
 import struct
-import threading
-from typing import Union
 
 import numpy as np
-import zstandard
 
+from capture_format.codec_base import (
+    ELEMENT_DTYPES,
+    Codec,
+    EncodedTensor,
+    ErrorSums,
+    TensorLayout,
+    check_zstd_content_size,
+    entropy_plane_compressor,
+    zstd_compressor,
+    zstd_decompressor,
+)
+from capture_format.codecs_lossy import LOSSY_CODECS
 from capture_format.errors import CodecError, UnknownCodecError, describe
 
-__all__ = ["AVAILABLE_CODECS", "Codec", "get_codec"]
+__all__ = ["AVAILABLE_CODECS", "ELEMENT_DTYPES", "Codec", "EncodedTensor", "ErrorSums", "TensorLayout", "get_codec"]
 
-Buffer = Union[bytes, bytearray, memoryview, np.ndarray]
 ZSTD_LEVELS = range(1, 23)
-AVAILABLE_CODECS = "raw, zstd:N (1-22), bf16-split"
+AVAILABLE_CODECS = "raw, zstd:N (1-22), bf16-split, bf16-channel; lossy: " + ", ".join(LOSSY_CODECS)
 
-_thread_state = threading.local()
-
-
-def _zstd_compressor(level: int) -> zstandard.ZstdCompressor:
-    compressors = getattr(_thread_state, "compressors", None)
-    if compressors is None:
-        compressors = _thread_state.compressors = {}
-    if level not in compressors:
-        compressors[level] = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
-    return compressors[level]
-
-
-_HIGH_PLANE_PARAMS = {"strategy": zstandard.STRATEGY_FAST, "hash_log": 8, "search_log": 1, "min_match": 7}
-
-
-def _high_plane_compressor() -> zstandard.ZstdCompressor:
-    compressor = getattr(_thread_state, "high_plane_compressor", None)
-    if compressor is None:
-        params = zstandard.ZstdCompressionParameters.from_level(
-            1, write_content_size=True, write_checksum=False, **_HIGH_PLANE_PARAMS)
-        compressor = _thread_state.high_plane_compressor = zstandard.ZstdCompressor(compression_params=params)
-    return compressor
-
-
-def _zstd_decompressor() -> zstandard.ZstdDecompressor:
-    decompressor = getattr(_thread_state, "decompressor", None)
-    if decompressor is None:
-        decompressor = _thread_state.decompressor = zstandard.ZstdDecompressor()
-    return decompressor
-
-
-def _check_zstd_content_size(frame: memoryview, expected_nbytes: int, what: str) -> None:
-    try:
-        content_nbytes = zstandard.frame_content_size(frame)
-    except zstandard.ZstdError:
-        raise CodecError(f"{what} does not start with a zstd frame header") from None
-    if content_nbytes != expected_nbytes:
-        declared = "no content size" if content_nbytes < 0 else f"{content_nbytes} content bytes"
-        raise CodecError(f"{what} is a zstd frame declaring {declared}; expected {expected_nbytes}")
-
-
-def _byte_view(data: Buffer) -> np.ndarray:
-    """The bytes of data as a 1-D uint8 array, without copying."""
-    if isinstance(data, np.ndarray):
-        if not data.flags.c_contiguous:
-            raise CodecError(
-                f"cannot encode a non-contiguous array of shape {data.shape}; pass np.ascontiguousarray(...)"
-            )
-        return data.reshape(-1).view(np.uint8)
-    return np.frombuffer(data, dtype=np.uint8)
-
-
-class Codec(abc.ABC):
-    """Turns a tensor's bytes into stored bytes and back. `spec` is the name frame headers carry."""
-
-    spec: str
-
-    def check_itemsize(self, itemsize: int) -> None:
-        """Raises CodecError if this codec cannot store elements of itemsize bytes."""
-
-    def encode(self, data: Buffer, itemsize: int) -> bytes:
-        """Returns the stored bytes of data (a C-contiguous buffer of itemsize-byte elements)."""
-        return b"".join(self.encode_parts(data, itemsize))
-
-    def encode_parts(self, data: Buffer, itemsize: int) -> list[Buffer]:
-        """Like encode, as pieces whose concatenation is the stored bytes: a frame joins them once."""
-        self.check_itemsize(itemsize)
-        view = _byte_view(data)
-        if view.nbytes % itemsize:
-            raise CodecError(f"{view.nbytes} bytes are not a whole number of {itemsize}-byte elements")
-        return self._encode_parts(view)
-
-    def decode(self, stored: Buffer, raw_nbytes: int) -> memoryview:
-        """Returns the raw bytes (exactly raw_nbytes) that encode turned into stored."""
-        view = memoryview(stored).cast("B")
-        self.check_stored(view, raw_nbytes)
-        try:
-            raw = self._decode(view, raw_nbytes)
-        except zstandard.ZstdError as err:
-            raise CodecError(f"{self.spec}: stored bytes do not decompress: {err}") from None
-        if raw.nbytes != raw_nbytes:
-            raise CodecError(f"{self.spec}: decoded {raw.nbytes} bytes; expected {raw_nbytes}")
-        return raw
-
-    @abc.abstractmethod
-    def check_stored(self, stored: memoryview, raw_nbytes: int) -> None:
-        """Raises CodecError unless the sizes stored declares fit raw_nbytes. Cheap: no decoding."""
-
-    @abc.abstractmethod
-    def _encode_parts(self, data: np.ndarray) -> list[Buffer]: ...
-
-    @abc.abstractmethod
-    def _decode(self, stored: memoryview, raw_nbytes: int) -> memoryview: ...
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.spec!r})"
+_PLANE_NBYTES = struct.Struct("<Q")
+_MERGE_CHUNK_NBYTES = 1 << 20  # decompress a high plane in cache-sized chunks
+_REFERENCE_SAMPLE_TOKENS = 32
 
 
 class RawCodec(Codec):
     spec = "raw"
 
-    def check_stored(self, stored: memoryview, raw_nbytes: int) -> None:
-        if stored.nbytes != raw_nbytes:
-            raise CodecError(f"raw: {stored.nbytes} stored bytes; expected {raw_nbytes}")
+    def _check_stored(self, stored: memoryview, layout: TensorLayout) -> None:
+        if stored.nbytes != layout.raw_nbytes:
+            raise CodecError(f"raw: {stored.nbytes} stored bytes; expected {layout.raw_nbytes}")
 
-    def _encode_parts(self, data: np.ndarray) -> list[Buffer]:
-        return [data]
+    def _encode(self, data: np.ndarray, layout: TensorLayout) -> EncodedTensor:
+        return EncodedTensor([data], data, None)
 
-    def _decode(self, stored: memoryview, raw_nbytes: int) -> memoryview:
+    def _decode(self, stored: memoryview, layout: TensorLayout) -> memoryview:
         return stored  # no copy: the decoded tensor views the caller's buffer
 
 
@@ -160,80 +76,127 @@ class ZstdCodec(Codec):
         self.level = level
         self.spec = f"zstd:{level}"
 
-    def check_stored(self, stored: memoryview, raw_nbytes: int) -> None:
-        _check_zstd_content_size(stored, raw_nbytes, f"{self.spec} stored data")
+    def _check_stored(self, stored: memoryview, layout: TensorLayout) -> None:
+        check_zstd_content_size(stored, layout.raw_nbytes, f"{self.spec} stored data")
 
-    def _encode_parts(self, data: np.ndarray) -> list[Buffer]:
-        return [_zstd_compressor(self.level).compress(data)]
+    def _encode(self, data: np.ndarray, layout: TensorLayout) -> EncodedTensor:
+        return EncodedTensor([zstd_compressor(self.level).compress(data)], data, None)
 
-    def _decode(self, stored: memoryview, raw_nbytes: int) -> memoryview:
+    def _decode(self, stored: memoryview, layout: TensorLayout) -> memoryview:
         # The content size was checked against raw_nbytes, so this allocates exactly raw_nbytes.
-        return memoryview(_zstd_decompressor().decompress(stored, allow_extra_data=False))
+        return memoryview(zstd_decompressor().decompress(stored, allow_extra_data=False))
 
 
 class Bf16SplitCodec(Codec):
-    spec = "bf16-split"
-    _HIGH_PLANE_NBYTES = struct.Struct("<Q")
-    _MERGE_CHUNK_NBYTES = 1 << 20  # decompress the high plane in cache-sized chunks
+    """High plane zstd-compressed, low plane raw; with `by_channel`, the high plane aligned per channel."""
 
-    def check_itemsize(self, itemsize: int) -> None:
-        if itemsize != 2:
+    dtypes = ("bfloat16", "float16")
+
+    def __init__(self, spec: str, *, by_channel: bool) -> None:
+        self.spec = spec
+        self.by_channel = by_channel
+
+    def check_dtype(self, dtype: str) -> None:
+        if dtype not in self.dtypes:
+            itemsize = ELEMENT_DTYPES[dtype].itemsize if dtype in ELEMENT_DTYPES else "?"
             raise CodecError(
-                f"codec 'bf16-split' needs 2-byte elements (bfloat16 or float16); got {itemsize}-byte "
-                "elements: use raw or zstd:N"
+                f"codec {self.spec!r} needs 2-byte elements (bfloat16 or float16); got {dtype} ({itemsize}-byte "
+                "elements): use raw or zstd:N"
             )
 
-    def check_stored(self, stored: memoryview, raw_nbytes: int) -> None:
-        if raw_nbytes % 2:
-            raise CodecError(f"bf16-split stores 2-byte elements; raw size {raw_nbytes} is odd")
-        prefix_nbytes = self._HIGH_PLANE_NBYTES.size
+    def _num_references(self, layout: TensorLayout) -> int:
+        return layout.num_values // layout.num_tokens if self.by_channel and layout.num_tokens else 0
+
+    def _check_stored(self, stored: memoryview, layout: TensorLayout) -> None:
+        prefix_nbytes = _PLANE_NBYTES.size
         if stored.nbytes < prefix_nbytes:
             raise CodecError(
-                f"bf16-split stored data is {stored.nbytes} bytes; shorter than its {prefix_nbytes}-byte prefix"
+                f"{self.spec} stored data is {stored.nbytes} bytes; shorter than its {prefix_nbytes}-byte prefix"
             )
-        (high_nbytes,) = self._HIGH_PLANE_NBYTES.unpack_from(stored)
-        num_values = raw_nbytes // 2
-        if prefix_nbytes + high_nbytes + num_values != stored.nbytes:
+        (high_nbytes,) = _PLANE_NBYTES.unpack_from(stored)
+        num_values, num_references = layout.num_values, self._num_references(layout)
+        expected = prefix_nbytes + num_references + high_nbytes + num_values
+        if expected != stored.nbytes:
             raise CodecError(
-                f"bf16-split stored data is {stored.nbytes} bytes; a {high_nbytes}-byte high plane and a "
-                f"{num_values}-byte low plane need {prefix_nbytes + high_nbytes + num_values}"
+                f"{self.spec} stored data is {stored.nbytes} bytes; {num_references} channel references, a "
+                f"{high_nbytes}-byte high plane and a {num_values}-byte low plane need {expected}"
             )
-        high_plane = stored[prefix_nbytes : prefix_nbytes + high_nbytes]
-        _check_zstd_content_size(high_plane, num_values, "bf16-split high plane")
+        high_start = prefix_nbytes + num_references
+        check_zstd_content_size(stored[high_start : high_start + high_nbytes], num_values, f"{self.spec} high plane")
 
-    def _encode_parts(self, data: np.ndarray) -> list[Buffer]:
-        values = data.view("<u2").reshape(-1)  # [N]
+    def _references(self, values: np.ndarray, layout: TensorLayout) -> np.ndarray:
+        """uint8 [C]: the high byte of each channel's mean |value| over up to 32 evenly spaced tokens."""
+        rows = values.reshape(layout.num_tokens, -1)  # (T, C)
+        sample = rows[np.linspace(0, rows.shape[0] - 1, min(rows.shape[0], _REFERENCE_SAMPLE_TOKENS)).astype(np.intp)]
+        if layout.dtype == "bfloat16":
+            magnitudes = (sample.astype(np.uint32) << 16).view(np.float32)
+        else:
+            magnitudes = sample.view(np.float16).astype(np.float32)
+        with np.errstate(all="ignore"):  # NaN and inf give some reference byte: any byte decodes
+            mean_abs = np.abs(magnitudes).mean(axis=0, dtype=np.float32)  # (C,)
+            if layout.dtype == "bfloat16":
+                return (mean_abs.view(np.uint32) >> 24).astype(np.uint8)
+            return (mean_abs.astype(np.float16).view(np.uint16) >> 8).astype(np.uint8)
+
+    def _encode(self, data: np.ndarray, layout: TensorLayout) -> EncodedTensor:
+        values = data.view("<u2")  # [N]
         # Shifts and a truncating cast read memory in order: ~5x faster than copying strided byte columns.
-        compressed_high = _high_plane_compressor().compress((values >> 8).astype(np.uint8))
-        low_plane = values.astype(np.uint8)
-        return [self._HIGH_PLANE_NBYTES.pack(len(compressed_high)), compressed_high, low_plane]
+        high_plane = (values >> 8).astype(np.uint8)
+        parts = []
+        if self._num_references(layout):
+            references = self._references(values, layout)
+            high_by_token = high_plane.reshape(layout.num_tokens, -1)  # (T, C)
+            np.subtract(high_by_token, references, out=high_by_token)  # wraps mod 256
+            parts.append(references)
+        compressed_high = entropy_plane_compressor().compress(high_plane)
+        return EncodedTensor([_PLANE_NBYTES.pack(len(compressed_high)), *parts, compressed_high,
+                              values.astype(np.uint8)], data, None)
 
-    def _decode(self, stored: memoryview, raw_nbytes: int) -> memoryview:
-        num_values = raw_nbytes // 2
-        (high_nbytes,) = self._HIGH_PLANE_NBYTES.unpack_from(stored)
-        high_start = self._HIGH_PLANE_NBYTES.size
+    def _decode(self, stored: memoryview, layout: TensorLayout) -> memoryview:
+        num_values, num_references = layout.num_values, self._num_references(layout)
+        (high_nbytes,) = _PLANE_NBYTES.unpack_from(stored)
+        high_start = _PLANE_NBYTES.size + num_references
+        references = np.frombuffer(stored, dtype=np.uint8, count=num_references, offset=_PLANE_NBYTES.size)
         low_plane = np.frombuffer(stored, dtype=np.uint8, count=num_values, offset=high_start + high_nbytes)
         values = np.empty(num_values, dtype="<u2")
         # Decompressing chunk by chunk and merging while the chunk is in cache avoids a second
         # full-size buffer for the high plane (its page faults cost more than the merge itself).
-        chunk = np.empty(min(self._MERGE_CHUNK_NBYTES, num_values), dtype=np.uint8)
-        with _zstd_decompressor().stream_reader(stored[high_start : high_start + high_nbytes]) as reader:
+        # A chunk holds whole tokens when references are added back, so they broadcast per row.
+        chunk_nbytes = min(_MERGE_CHUNK_NBYTES, num_values)
+        if num_references:
+            chunk_nbytes = max(1, _MERGE_CHUNK_NBYTES // num_references) * num_references
+        chunk = np.empty(min(chunk_nbytes, num_values), dtype=np.uint8)
+        with zstd_decompressor().stream_reader(stored[high_start : high_start + high_nbytes]) as reader:
             position = 0
             while position < num_values:
-                num_read = reader.readinto(chunk[: num_values - position])
-                if num_read == 0:
-                    raise CodecError(f"bf16-split high plane ended after {position} of {num_values} bytes")
+                num_read = 0
+                wanted = min(chunk.size, num_values - position)
+                while num_read < wanted:  # readinto may return less than asked
+                    got = reader.readinto(chunk[num_read:wanted])
+                    if got == 0:
+                        raise CodecError(f"{self.spec} high plane ended after {position + num_read} of "
+                                         f"{num_values} bytes")
+                    num_read += got
+                high = chunk[:num_read]
+                if num_references:
+                    by_token = high.reshape(-1, num_references)
+                    np.add(by_token, references, out=by_token)  # wraps mod 256
                 merged = values[position : position + num_read]
-                np.left_shift(chunk[:num_read], 8, out=merged, dtype=np.uint16)
+                np.left_shift(high, 8, out=merged, dtype=np.uint16)
                 np.bitwise_or(merged, low_plane[position : position + num_read], out=merged)
                 position += num_read
             if reader.read(1):
-                raise CodecError(f"bf16-split high plane holds more than {num_values} bytes")
+                raise CodecError(f"{self.spec} high plane holds more than {num_values} bytes")
         return memoryview(values.view(np.uint8))
 
 
 def _build_registry() -> dict[str, Codec]:
-    registry: dict[str, Codec] = {"raw": RawCodec(), "bf16-split": Bf16SplitCodec()}
+    registry: dict[str, Codec] = {
+        "raw": RawCodec(),
+        "bf16-split": Bf16SplitCodec("bf16-split", by_channel=False),
+        "bf16-channel": Bf16SplitCodec("bf16-channel", by_channel=True),
+        **LOSSY_CODECS,
+    }
     for level in ZSTD_LEVELS:
         registry[f"zstd:{level}"] = ZstdCodec(level)
     registry["zstd"] = registry["zstd:1"]
@@ -244,7 +207,7 @@ _REGISTRY = _build_registry()
 
 
 def get_codec(spec: str) -> Codec:
-    """Returns the codec a spec string names ('raw', 'zstd', 'zstd:N', 'bf16-split')."""
+    """Returns the codec a spec string names ('raw', 'zstd', 'zstd:N', 'bf16-split', a lossy one, ...)."""
     codec = _REGISTRY.get(spec) if isinstance(spec, str) else None
     if codec is None:
         raise UnknownCodecError(f"unknown codec {describe(spec)}; available: {AVAILABLE_CODECS}")

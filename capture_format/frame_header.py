@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from capture_format import records
+from capture_format.codec_base import ELEMENT_DTYPES, TensorLayout
 from capture_format.codecs import get_codec
 from capture_format.errors import CodecError, FrameError, check_json_type, describe
 
@@ -27,7 +28,6 @@ __all__ = ["FrameInfo", "TensorInfo", "dump_header", "load_header", "parse_heade
 
 TENSOR_NAMES = ("token_ids", "aux", "final")
 TOKEN_IDS_DTYPE_LABEL = "int32"
-ELEMENT_DTYPES = {TOKEN_IDS_DTYPE_LABEL: records.TOKEN_ID_DTYPE, **records.STATE_DTYPES}
 HEADER_KEYS = frozenset(
     {
         "aux_semantics",
@@ -67,7 +67,12 @@ class TensorInfo:
     stored_xxh3_64: str
     """Hex xxh3_64 of the stored bytes: checkable without decoding."""
     raw_xxh3_64: str
-    """Hex xxh3_64 of the decoded little-endian bytes."""
+    """Hex xxh3_64 of the decoded little-endian bytes (for a lossy codec: of its decoded output)."""
+
+    @property
+    def layout(self) -> TensorLayout:
+        """What the codec is told to decode this tensor."""
+        return TensorLayout(self.dtype, self.shape)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,6 +111,11 @@ class FrameInfo:
     @property
     def stored_nbytes(self) -> int:
         return sum(tensor.stored_nbytes for tensor in self.tensors)
+
+    @property
+    def lossy(self) -> bool:
+        """True when a tensor of the frame is stored with a lossy codec."""
+        return any(get_codec(tensor.codec).lossy for tensor in self.tensors)
 
 
 def dump_header(header: dict[str, Any]) -> bytes:
@@ -166,7 +176,7 @@ def _parse_tensor(entry: object, name: str, dtype: str, expected_offset: int) ->
         raise FrameError(f"{where} shape {describe(shape)} must be a list of ints")
     codec = get_codec(_typed(entry, "codec", str, where))
     try:
-        codec.check_itemsize(ELEMENT_DTYPES[dtype].itemsize)
+        codec.check_dtype(dtype)
     except CodecError as err:
         raise FrameError(f"{where}: {err}") from None
     checksums = {key: _typed(entry, key, str, where) for key in ("stored_xxh3_64", "raw_xxh3_64")}

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from capture_format.codec_base import ErrorSums, TensorLayout
 from capture_format.codecs import Codec, get_codec
 from capture_format.errors import ChecksumError, CodecError, FrameError
 from capture_format.frame_header import (
@@ -61,6 +62,7 @@ __all__ = [
     "encode_frame",
     "check_header",
     "decode_tensor",
+    "frame_errors",
     "inspect_frame",
     "inspect_frame_header",
     "parse_frame_prefix",
@@ -92,13 +94,18 @@ def codec_for_states(dtype: str, codec: str | None = None) -> Codec:
     Raises CodecError when the codec cannot store such elements (bf16-split and 4-byte float32), so a
     writer can refuse the pairing once, up front, instead of failing every record.
     """
+    if dtype not in STATE_DTYPES:
+        raise CodecError(f"states of dtype {dtype!r} are not supported; accepted: {', '.join(STATE_DTYPES)}")
     state_codec = get_codec(codec if codec is not None else DEFAULT_CODECS[dtype])
-    state_codec.check_itemsize(STATE_DTYPES[dtype].itemsize)
+    state_codec.check_dtype(dtype)
     return state_codec
 
 
 def encode_frame(record: CaptureRecord, codec: str | None = None) -> bytes:
-    """Returns record as one frame; codec applies to aux and final (default: DEFAULT_CODECS[dtype])."""
+    """Returns record as one frame; codec applies to aux and final (default: DEFAULT_CODECS[dtype]).
+
+    A tensor's raw_xxh3_64 hashes what decoding gives: the input itself, or for a lossy codec its
+    decoded (dequantised) output, so a reader's decoded checksum protects what it trains on."""
     state_codec = codec_for_states(record.dtype, codec)
     tensor_sources = (
         ("token_ids", TOKEN_IDS_DTYPE_LABEL, record.token_ids, get_codec(TOKEN_IDS_CODEC)),
@@ -110,7 +117,8 @@ def encode_frame(record: CaptureRecord, codec: str | None = None) -> bytes:
     offset = 0
     for name, dtype, array, tensor_codec in tensor_sources:
         data = np.ascontiguousarray(array)  # record arrays are little-endian; views may be strided
-        parts = tensor_codec.encode_parts(data, data.itemsize)
+        encoded = tensor_codec.encode_tensor(data, TensorLayout.of(data, dtype))
+        parts = encoded.parts
         stored_digest = xxhash.xxh3_64()
         for part in parts:
             stored_digest.update(part)
@@ -125,7 +133,7 @@ def encode_frame(record: CaptureRecord, codec: str | None = None) -> bytes:
                 "raw_nbytes": data.nbytes,
                 "stored_nbytes": stored_nbytes,
                 "stored_xxh3_64": stored_digest.hexdigest(),
-                "raw_xxh3_64": xxhash.xxh3_64_hexdigest(data),
+                "raw_xxh3_64": xxhash.xxh3_64_hexdigest(encoded.decoded),
             }
         )
         stored_parts.extend(parts)
@@ -239,7 +247,7 @@ def decode_tensor(stored: bytes | memoryview, tensor: TensorInfo, *, verify: boo
     if verify:
         _verify_checksum(memoryview(stored), tensor.stored_xxh3_64, tensor, "stored")
     try:
-        raw = get_codec(tensor.codec).decode(stored, tensor.raw_nbytes)
+        raw = get_codec(tensor.codec).decode(stored, tensor.layout)
     except CodecError as err:
         raise FrameError(f"tensor {tensor.name!r}: {err}") from None
     if verify:
@@ -267,10 +275,21 @@ def inspect_frame(buf: bytes | bytearray | memoryview) -> FrameInfo:
         stored = _stored_bytes(view, info, tensor)
         _verify_checksum(stored, tensor.stored_xxh3_64, tensor, "stored")
         try:
-            get_codec(tensor.codec).check_stored(stored, tensor.raw_nbytes)
+            get_codec(tensor.codec).check_stored(stored, tensor.layout)
         except CodecError as err:
             raise FrameError(f"tensor {tensor.name!r}: {err}") from None
     return info
+
+
+def frame_errors(buf: bytes | bytearray | memoryview, info: FrameInfo) -> dict[str, tuple[str, ErrorSums]]:
+    """tensor name -> (codec, error its encoder measured) for each lossy tensor of a frame inspect_frame passed."""
+    view = memoryview(buf).cast("B")
+    errors = {}
+    for tensor in info.tensors:
+        codec = get_codec(tensor.codec)
+        if codec.lossy:
+            errors[tensor.name] = (codec.spec, codec.stored_error(_stored_bytes(view, info, tensor), tensor.layout))
+    return errors
 
 
 def decode_frame(buf: bytes | bytearray | memoryview, *, verify: bool = True) -> CaptureRecord:

@@ -142,6 +142,13 @@ def _shards_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shards_recode(args: argparse.Namespace) -> int:
+    from collector_service.shard_tools import recode_directory
+
+    recode_directory(_shards_folder(args), Path(args.out), args.codec, out=sys.stdout)
+    return 0
+
+
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     collect = subparsers.add_parser(
         "collect",
@@ -159,12 +166,14 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     collect.add_argument("--access-log", action="store_true", help="log every request (costs CPU at high rates)")
     collect.set_defaults(run=_collect)
 
-    shards = subparsers.add_parser("shards", help="verify, summarize or repair a shards folder (--shards DIR)")
+    shards = subparsers.add_parser("shards", help="verify, summarize, repair or re-encode a shards folder (--shards DIR)")
     shard_commands = shards.add_subparsers(dest="shards_command", required=True, metavar="ACTION")
-    verify = shard_commands.add_parser("verify", help="check every shard against its index, every record's checksums")
+    verify = shard_commands.add_parser("verify", help="check every shard against its index, every record's checksums; "
+                                       "list the codecs (lossy ones with their measured error)")
     _add_shards_folder(verify)
     verify.set_defaults(run=_shards_verify)
-    stats = shard_commands.add_parser("stats", help="print shards, records, tokens, bytes and compression ratio")
+    stats = shard_commands.add_parser("stats", help="print shards, records, tokens, bytes, compression ratio and the "
+                                      "codecs (lossy ones with their measured error)")
     _add_shards_folder(stats)
     stats.set_defaults(run=_shards_stats)
     repair = shard_commands.add_parser(
@@ -174,6 +183,14 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "back. Stop the collector first.")
     _add_shards_folder(repair)
     repair.set_defaults(run=_shards_repair)
+    recode = shard_commands.add_parser(
+        "recode", help="re-encode every record into new shards with another codec (e.g. a lossy one)",
+        description="Read every record of the sealed shards in --shards DIR (verifying it), encode aux and final with "
+        "--codec and write them into new sealed shards in OUT (new or empty), one per source shard. DIR is not changed.")
+    _add_shards_folder(recode)
+    recode.add_argument("--out", required=True, help="new or empty folder for the re-encoded shards")
+    recode.add_argument("--codec", required=True, help="codec of aux and final, e.g. bf16-channel, int8-row")
+    recode.set_defaults(run=_shards_recode)
 
 
 def main(argv: list[str] | None = None) -> int:

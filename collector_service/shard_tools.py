@@ -1,8 +1,13 @@
-"""`eagle-tap shards verify|stats|repair --shards DIR`: check, summarize and repair shards (capture_format only).
+"""`eagle-tap shards verify|stats|repair|recode --shards DIR`: check, summarize, repair and re-encode shard
+directories (capture_format only).
 
 verify: every sealed shard against its index and every record's checksums (decoding it), indexes
 without a shard, and record ids stored twice. Open shards are listed, not read: the collector
-recovers them when it starts. Returns False if anything is wrong.
+recovers them when it starts. Returns False if anything is wrong. verify and stats also list the
+codecs the records use; a lossy codec with the error its encoders measured.
+recode: every record of DIR's sealed shards, decoded and encoded again with another codec into new
+shards in an empty folder, one shard per source shard (to store captures smaller, or to measure what
+a lossy codec costs the trainer).
 repair: every shard of DIR and DIR/quarantine whose index does not load (or a shard that fails
 verify) gets its index rebuilt from the shard, keeping every verifiable record; a repaired shard
 from quarantine/ moves back into DIR. Stop the collector first: repair takes the shard's lock.
@@ -16,6 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 from capture_format import ShardDirectory, ShardError, load_index, repair_shard, verify_shard
+from capture_format.shard_codecs import codec_summary, format_codec_summary, recode_shards
 from capture_format.shard_index import (
     INDEX_SUFFIX,
     QUARANTINE_DIR_NAME,
@@ -27,7 +33,16 @@ from capture_format.shard_index import (
 )
 from capture_format.tables import text_table
 
-__all__ = ["print_stats", "repair_directory", "verify_directory"]
+__all__ = ["print_stats", "recode_directory", "repair_directory", "verify_directory"]
+
+
+def _print_codecs(data_dir: Path, out: TextIO) -> list[str]:
+    """Prints the codecs of the readable sealed shards' records; returns the problems met reading them."""
+    with ShardDirectory(data_dir, skip_damaged=True) as shards:
+        tallies, problems = codec_summary(shards)
+    for line in format_codec_summary(tallies):
+        print(f"codec {line}", file=out)
+    return problems
 
 
 def verify_directory(data_dir: Path, *, out: TextIO) -> bool:
@@ -68,6 +83,8 @@ def verify_directory(data_dir: Path, *, out: TextIO) -> bool:
     if not (files.sealed or files.open or files.indexes):
         problems.append(f"{data_dir} holds no shard files (shard-NNNNNN{SEALED_SUFFIX}): is it the shards folder?")
         print(f"warning: {problems[-1]}", file=out)
+    else:
+        problems.extend(_print_codecs(data_dir, out))
     verdict = "OK" if not problems else f"FAILED ({len(problems)} problems)"
     print(
         f"{len(files.sealed)} sealed shards, {len(files.open)} open; "
@@ -98,6 +115,25 @@ def print_stats(data_dir: Path, *, out: TextIO) -> None:
     print(text_table(rows, align="<<"), file=out)
     for line in damaged:
         print(line, file=out)
+    for problem in _print_codecs(data_dir, out):
+        print(f"  {problem}", file=out)
+
+
+def recode_directory(data_dir: Path, out_dir: Path, codec: str, *, out: TextIO) -> None:
+    """Writes every record of data_dir's sealed shards into new shards in out_dir (empty or new), aux and final
+    stored with codec; one shard per source shard. Records are read and verified as the trainer reads them."""
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ValueError(f"{out_dir} is not empty; recode writes into a new or empty folder")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with ShardDirectory(data_dir) as shards:
+        indexes = recode_shards(shards, out_dir, codec)
+    raw_nbytes = sum(index.raw_nbytes for index in indexes)
+    stored_nbytes = sum(index.stored_nbytes for index in indexes)
+    num_records = sum(index.num_records for index in indexes)
+    ratio = f"{raw_nbytes / stored_nbytes:.3f}" if stored_nbytes else "-"
+    print(f"recoded {num_records:,} records of {data_dir} into {out_dir} with {codec}: compression ratio {ratio}",
+          file=out)
+    _print_codecs(out_dir, out)
 
 
 def _needs_repair(shard_path: Path) -> bool:

@@ -32,8 +32,9 @@ class CaptureSettings(BaseSettings):
     capture_layers: Annotated[list[int] | None, NoDecode] = None
     """Decoder layers whose input is captured, e.g. `3,31,59`; default `[3, L//2 + 1, L - 2]`."""
     codec: str | None = None
-    """Codec of the aux and final states in each frame: raw, zstd:N or bf16-split; unset picks bf16-split for
-    bf16 serving, zstd:1 for fp16 and fp32."""
+    """Codec of the aux and final states in each frame: raw, zstd:N, bf16-split, bf16-channel, or a lossy one
+    (int8-row, e4m3-row, int8-channel: see the README's codec table for what each costs); unset picks
+    bf16-split for bf16 serving, zstd:1 for fp16 and fp32."""
     spool_dir: Path = Field(default=Path("~/.local/state/eagle-tap/spool"), validate_default=True)
     """Where frames wait while the collector is unreachable; re-sent in order when it is back. Must be
     private to the server's user (0700, checked at start): never a shared directory such as /tmp itself."""

@@ -16,8 +16,8 @@ from eagle_tap.bench import codecs, trainer_pipeline
 from eagle_tap.bench.report import render_markdown, run_benchmarks, write_report
 from eagle_tap.cli import main
 
-CODECS = codecs.Config(num_tokens=2048, codecs=("raw", "zstd:1", "bf16-split"), frame_codecs=("bf16-split",),
-                       repeats=1)
+CODECS = codecs.Config(num_tokens=2048, codecs=("raw", "zstd:1", "bf16-split", "int8-row"),
+                       frame_codecs=("bf16-split", "int8-row"), frame_tokens=512, repeats=1, acceptance=None)
 TRAINER = trainer_pipeline.Config(num_records=12, min_tokens=24, max_tokens=64, max_length=64, batch_size=4,
                                   loader_workers=(0, 2), loader_passes=2, train_steps=1, ttt_steps=2,
                                   draft_vocab_size=64)
@@ -43,11 +43,16 @@ def test_codec_bench_on_the_tiny_models_states(report: dict) -> None:
     result = report["benchmarks"]["codecs"]
     _check_well_formed(result)
     rows = {row["item"]: row for row in result["rows"]}
-    assert list(rows) == ["raw", "zstd:1", "bf16-split (default)", "frame, bf16-split (checksums, verify)"]
+    frame_rows = [f"frames of 512 tokens, {codec} (checksums, verify)" for codec in ("bf16-split", "int8-row")]
+    assert list(rows) == ["raw", "zstd:1", "bf16-split (default)", "int8-row", *frame_rows]
     assert rows["raw"]["ratio"] == 1.0 and rows["raw"]["decompress_mb_s"] is None
     # Real states compress: the high byte (sign, exponent) repeats; bf16-split beats plain zstd on them.
     assert rows["bf16-split (default)"]["ratio"] > rows["zstd:1"]["ratio"] > 1.0
-    assert rows["frame, bf16-split (checksums, verify)"]["ratio"] > 1.0
+    assert rows[frame_rows[0]]["ratio"] > 1.0
+    # A lossy codec stores less and says what it costs: a small, nonzero error; lossless ones none.
+    assert rows["int8-row"]["ratio"] > 1.8 and 0 < rows["int8-row"]["relative_error"] < 0.02
+    assert rows["bf16-split (default)"]["relative_error"] == 0.0
+    assert "acceptance of drafts trained on each codec: skipped" in " ".join(result["notes"])
     assert result["summary"]["raw_mb"] == pytest.approx(2048 * 4 * 128 * 2 / 1e6)
     assert result["parameters"]["source"] == "tiny-model"
 
@@ -99,3 +104,31 @@ def test_bench_command_rejects_an_unknown_benchmark(capsys: pytest.CaptureFixtur
         main(["bench", "--only", "codecs,codec"])
     assert exit_info.value.code == 2
     assert "unknown benchmark 'codec'; available: codecs, collector, capture, trainer" in capsys.readouterr().err
+
+
+def test_codec_acceptance_trains_paired_drafts_per_codec_and_evaluates_them_on_lossless_held_out_shards(
+        tmp_path) -> None:
+    from trainer_data import shard_dir
+
+    from eagle_tap.bench.codec_acceptance import AcceptanceConfig, measure_acceptance
+
+    demo = tmp_path / "demo"
+    (demo / "captures").mkdir(parents=True)
+    (demo / "captures" / "train").symlink_to(shard_dir(0, 24))
+    (demo / "captures" / "heldout").symlink_to(shard_dir(64, 8))
+    config = AcceptanceConfig(demo_run=str(demo), codecs=("bf16-split", "int8-row"), seeds=(0, 1), train_steps=3)
+    measured = measure_acceptance(config, tmp_path / "work", log=lambda line: None)
+    rows = {row["codec"]: row for row in measured["rows"]}
+    assert list(rows) == ["bf16-split", "int8-row"]
+    assert not rows["bf16-split"]["lossy"] and rows["bf16-split"]["relative_error"] == 0.0
+    assert rows["int8-row"]["lossy"] and 0 < rows["int8-row"]["relative_error"] < 0.02
+    assert rows["int8-row"]["ratio"] > 1.8 > rows["bf16-split"]["ratio"]
+    assert [(run["codec"], run["seed"]) for run in measured["runs"]] == [
+        ("bf16-split", 0), ("bf16-split", 1), ("int8-row", 0), ("int8-row", 1)]
+    for row in rows.values():
+        assert 0 <= row["step0_accuracy"] <= 1 and row["acceptance_length"] >= 1
+        assert row["acceptance_length"] == pytest.approx(sum(row["per_seed_acceptance_length"]) / 2)
+    assert rows["bf16-split"]["acceptance_delta"] == 0 and rows["bf16-split"]["within_seed_noise"]
+    # The lossy run trained on re-encoded shards; the held-out shards stayed the lossless ones.
+    assert (tmp_path / "work" / "shards" / "int8-row").is_dir()
+    assert measured["heldout_shards"] == str(demo / "captures" / "heldout")

@@ -141,6 +141,8 @@ def test_frame_layout_matches_an_independent_writer() -> None:
         ("bfloat16", "raw"),
         ("bfloat16", "zstd:1"),
         ("bfloat16", "zstd:7"),
+        ("bfloat16", "bf16-channel"),
+        ("float16", "bf16-channel"),
         ("float16", None),
         ("float16", "bf16-split"),
         ("float16", "raw"),
@@ -163,7 +165,7 @@ def test_default_codec_is_bf16_split_for_bfloat16() -> None:
 
 
 def test_bf16_split_is_rejected_for_float32_records() -> None:
-    with pytest.raises(CodecError, match="bf16-split.*got 4-byte elements"):
+    with pytest.raises(CodecError, match="bf16-split.*got float32 .4-byte elements"):
         encode_frame(make_record("float32"), "bf16-split")
     with pytest.raises(UnknownCodecError, match="available: raw, zstd:N"):
         encode_frame(make_record(), "zstdd")
@@ -201,7 +203,10 @@ def test_inspect_frame_reports_what_the_collector_needs() -> None:
 
 # Damage -----------------------------------------------------------------------------------------
 
-DAMAGE_FRAMES = {"raw": FIXTURE, "bf16-split": encode_frame(known_answer.known_answer_record(), "bf16-split")}
+DAMAGE_FRAMES = {"raw": FIXTURE, **{codec: encode_frame(known_answer.known_answer_record(), codec)
+                                    for codec in ("bf16-split", "bf16-channel")},
+                 # Lossy codecs refuse the known answer's NaN and inf: a finite record instead.
+                 **{codec: encode_frame(make_record("float16", num_tokens=3), codec) for codec in ("int8-row", "e4m3-row")}}
 
 
 @pytest.mark.parametrize("codec", DAMAGE_FRAMES)

@@ -1,13 +1,26 @@
-"""Shards: sealing by size, by age and at shutdown; start-up recovery of a torn tail; `eagle-tap shards`."""
+"""Shards: sealing by size, by age and at shutdown; start-up recovery of a torn tail; `eagle-tap shards`, lossy frames."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
+import zlib
 
-from capture_format import ShardDirectory, ShardWriter, inspect_frame, load_index, verify_shard
+import numpy as np
+
+from capture_format import (
+    CaptureRecord,
+    ShardDirectory,
+    ShardWriter,
+    bfloat16_bits_from_float32,
+    encode_frame,
+    inspect_frame,
+    load_index,
+    verify_shard,
+)
 from collector_service.cli import main as collector_main
 from eagle_tap.cli import main as eagle_tap_main
 from test_collector_support import REPO_ROOT, ThreadedCollector, make_frame
@@ -124,3 +137,53 @@ def test_cli_imports_nothing_heavy_until_a_command_runs() -> None:
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True,
                    env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+
+
+def finite_record(record_id: str, num_tokens: int = 24) -> CaptureRecord:
+    """A bf16 record of finite Gaussian states (lossy codecs refuse NaN and inf, which random bits hold)."""
+    rng = np.random.default_rng(zlib.crc32(record_id.encode()))
+    aux = bfloat16_bits_from_float32(rng.standard_normal((num_tokens, 2, 32), dtype=np.float32)).reshape(
+        num_tokens, 2, 32)
+    final = bfloat16_bits_from_float32(rng.standard_normal((num_tokens, 32), dtype=np.float32)).reshape(num_tokens, 32)
+    return CaptureRecord(record_id=record_id, sample_id="sample-1", model_fingerprint="tiny-test@0",
+                         capture_layers=(1, 3), hidden_size=32, dtype="bfloat16",
+                         token_ids=rng.integers(0, 1000, size=num_tokens, dtype=np.int32),
+                         loss_spans=((1, num_tokens),), aux=aux, final=final)
+
+
+def test_the_collector_stores_lossy_frames_and_the_shard_commands_name_their_codec(tmp_path, capsys) -> None:
+    data_dir = tmp_path / "data"
+    codecs = ["int8-row", "e4m3-row", "bf16-channel", "bf16-split"]
+    with ThreadedCollector(data_dir=data_dir, seal_after_bytes=1) as collector:
+        for codec in codecs:
+            response = collector.post(encode_frame(finite_record(f"rec-{codec}"), codec))
+            assert response.status_code == 201, response.text
+    capsys.readouterr()
+    assert eagle_tap_main(["shards", "verify", "--shards", str(data_dir)]) == 0
+    output = capsys.readouterr().out
+    assert "4/4 records verified: OK" in output
+    assert re.search(r"codec int8-row: 1 records, ratio [\d.]+, LOSSY: relative RMS error 0\.\d+%", output)
+    assert re.search(r"codec e4m3-row: 1 records, ratio [\d.]+, LOSSY: relative RMS error [12]\.\d+%", output)
+    assert "codec bf16-channel: 1 records" in output and "codec bf16-split: 1 records" in output
+    assert eagle_tap_main(["shards", "stats", "--shards", str(data_dir)]) == 0
+    assert "codec int8-row: 1 records" in capsys.readouterr().out
+
+    recoded = tmp_path / "recoded"
+    assert eagle_tap_main(["shards", "recode", "--shards", str(data_dir), "--out", str(recoded), "--codec", "int8-channel"]) == 0
+    output = capsys.readouterr().out
+    assert "recoded 4 records" in output and "codec int8-channel: 4 records" in output
+    with ShardDirectory(recoded) as shards:
+        assert sorted(entry.record_id for entry in shards.iter_index()) == sorted(f"rec-{codec}" for codec in codecs)
+        assert all(verify_shard(shard.shard_path).ok for shard in shards.shards)
+    assert eagle_tap_main(["shards", "recode", "--shards", str(data_dir), "--out", str(recoded), "--codec", "raw"]) == 2
+    assert "is not empty" in capsys.readouterr().err
+
+
+def test_the_expansion_bound_still_applies_to_lossy_frames(tmp_path) -> None:
+    frame = encode_frame(finite_record("lossy", num_tokens=64), "int8-row")
+    info = inspect_frame(frame)
+    assert info.raw_nbytes / len(frame) > 1.5
+    with ThreadedCollector(data_dir=tmp_path, max_expansion_ratio=1.5) as collector:
+        response = collector.post(frame)
+        assert response.status_code == 413 and response.json()["error"] == "expands_too_much"
+        assert collector.stats()["num_records"] == 0

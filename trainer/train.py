@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import random
 import time
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import capture_format as cf
 from trainer import data, distributed, ttt
 from trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
 from trainer.config_io import config_from_dict, config_to_dict
@@ -38,6 +40,8 @@ from trainer.metrics import MetricsLog, write_plots
 from trainer.model import Config as ModelConfig
 from trainer.model import Eagle3Draft, trainable_state_dict
 from trainer.ttt import Config as ObjectiveConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -300,6 +304,21 @@ def evaluate(run: Run, shards: str) -> dict[str, Any]:
             "step_losses": (loss_sums / total.clamp(min=1)).tolist(), "num_tokens": int(total[0])}
 
 
+def report_data_codecs(shards: str) -> dict[str, dict[str, Any]]:
+    """The codecs of the training records (lossy ones with the error their encoders measured), logged and returned."""
+    from capture_format.shard_codecs import codec_summary, format_codec_summary
+
+    with cf.ShardDirectory(shards, skip_damaged=True) as directory:
+        tallies, problems = codec_summary(directory)
+    for (spec, tally), line in zip(sorted(tallies.items()), format_codec_summary(tallies)):
+        log.log(logging.WARNING if tally.lossy else logging.INFO, "training data codec %s", line)
+    for problem in problems:
+        log.error("training data: %s", problem)
+    return {spec: {"num_records": len(tally.record_ids), "ratio": tally.ratio, "lossy": tally.lossy,
+                   "relative_rms_error": tally.error.relative_rms_error if tally.error else 0.0}
+            for spec, tally in tallies.items()}
+
+
 def train(config: Config, resume: str | bool = False) -> dict[str, Any]:
     """Runs a training run, or continues one (resume=True: the newest checkpoint; a path: that checkpoint)."""
     from tqdm import tqdm
@@ -309,6 +328,7 @@ def train(config: Config, resume: str | bool = False) -> dict[str, Any]:
     for shards in (config.data.shards, config.eval_shards):  # a wrong folder fails before anything is written
         if shards is not None:
             data.require_records(shards)
+    data_codecs = report_data_codecs(config.data.shards)
     runtime = distributed.setup(config.device)
     try:
         if config.num_threads:
@@ -359,7 +379,8 @@ def train(config: Config, resume: str | bool = False) -> dict[str, Any]:
         final_step = max(run.start_step, last_step)
         if saved_step != final_step:
             save(run, final_step)
-        summary: dict[str, Any] = {"step": final_step, "finished": final_step >= config.num_steps}
+        summary: dict[str, Any] = {"step": final_step, "finished": final_step >= config.num_steps,
+                                   "data_codecs": data_codecs}
         if summary["finished"]:
             if config.eval_shards:
                 summary["eval"] = evaluate(run, config.eval_shards)

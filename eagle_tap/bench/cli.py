@@ -28,9 +28,14 @@ def _bench(args: argparse.Namespace) -> int:
     from eagle_tap.cli import interrupt_on_signals
 
     configs = {}
-    if args.codec_states:
-        base = codecs.Config.quick() if args.quick else codecs.Config()
-        configs["codecs"] = dataclasses.replace(base, source=args.codec_states)
+    if args.codec_states or args.codec_demo_run:
+        config = codecs.Config.quick() if args.quick else codecs.Config()
+        if args.codec_states:
+            config = dataclasses.replace(config, source=args.codec_states)
+        if args.codec_demo_run and config.acceptance is not None:
+            config = dataclasses.replace(config, acceptance=dataclasses.replace(config.acceptance,
+                                                                                demo_run=args.codec_demo_run))
+        configs["codecs"] = config
     try:
         with interrupt_on_signals():  # TERM unwinds like Ctrl-C, so the servers and collectors a benchmark started stop
             report = run_benchmarks(args.only, quick=args.quick, configs=configs)
@@ -46,7 +51,8 @@ def _bench(args: argparse.Namespace) -> int:
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench", help="run the benchmarks (codecs, collector, capture, trainer, served); write bench.json and bench.md",
-        description="Measure, side by side in one run: codec ratio and MB/s (raw, zstd, bf16-split); collector "
+        description="Measure, side by side in one run: codec ratio, MB/s and error (raw, zstd, bf16-split, "
+        "bf16-channel, the lossy codecs) and the acceptance of drafts trained on each lossy codec; collector "
         "ingest MB/s against the disk alone and the raw-socket loopback ceiling; SGLang throughput with the "
         "capture plugin capturing vs not loaded (starts CPU SGLang servers); the trainer's input pipeline "
         "against what training steps consume; a draft trained here served by SGLang's EAGLE-3 speculative decoding "
@@ -60,4 +66,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--codec-states", metavar="FILE.npy",
                        help="measure the codecs on these states (uint16 bf16 bit patterns, last dim = hidden size, "
                        "e.g. real captures) instead of the tiny model's")
+    bench.add_argument("--codec-demo-run", metavar="DIR",
+                       help="train the codec acceptance drafts on the captures of this earlier `eagle-tap demo` "
+                       "folder instead of capturing the demo conversations first (a CPU SGLang server)")
     bench.set_defaults(run=_bench)

@@ -2,7 +2,7 @@
 
 bench.json holds everything (`render_markdown(json.loads(...))` rebuilds bench.md from it);
 bench.md has one section per benchmark: its table (one row per measured item, as the benchmark's
-`columns` say), then its notes. A benchmark that fails is reported with its error and the others
+`columns` say), any further `tables` (each with a title, columns and rows), then its notes. A benchmark that fails is reported with its error and the others
 still run. Benchmarks run one after another in this process, in the order of BENCHMARKS.
 """
 
@@ -167,6 +167,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(f"**failed**: {result['error']}")
             continue
         lines += render_table(result)
+        for table in result.get("tables", []):  # further tables of the same benchmark, each under its title
+            lines += ["", f"### {table['title']}", "", *render_table(table)]
         lines += [""] + [f"- {note}" for note in result["notes"]]
     return "\n".join(lines) + "\n"
 
