@@ -306,3 +306,23 @@ def test_a_damaged_cached_frame_is_fetched_again(training_bucket: dict[str, str]
         again = shards.read_record(entry)
         assert shards.num_fetched_records == 2 and cache.num_hits == 1
     assert (again.aux == expected.aux).all() and (again.final == expected.final).all()
+
+
+# --- the benchmark ----------------------------------------------------------------------------------
+
+def test_objstore_bench_reads_every_record_from_the_bucket_and_steps(tmp_path: Path) -> None:
+    from eagle_tap.bench import objstore, trainer_pipeline
+    from test_bench import _check_well_formed
+
+    tiny = trainer_pipeline.Config(num_records=12, min_tokens=24, max_tokens=64, max_length=64, batch_size=4,
+                                   loader_workers=(0,), loader_passes=1, train_steps=1, ttt_steps=2,
+                                   draft_vocab_size=64, work_dir=str(tmp_path))
+    result = objstore.run(objstore.Config(data=tiny))
+    result["wall_s"] = 1.0  # set by run_benchmarks, which this calls around
+    _check_well_formed(result)
+    rows = {row["item"]: row for row in result["rows"]}
+    assert rows["collector upload (put, read back, check; index last)"]["records"] == 12
+    for item in ("local disk", "object store, cache cold", "object store, cache warm"):
+        assert rows[f"{item}, num_workers 0"]["records"] == 12  # every record, checksums verified, none skipped
+    assert set(result["summary"]["object_store_cold_over_step"]) == {"0"}
+    assert os.listdir(tmp_path) == []  # the work folder and the S3 server are gone

@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, str] = {
     "collector": "eagle_tap.bench.collector",
     "capture": "eagle_tap.bench.capture",
     "trainer": "eagle_tap.bench.trainer_pipeline",
+    "objstore": "eagle_tap.bench.objstore",
     "served": "eagle_tap.bench.served",
 }
 """Benchmark name (as `--only` takes it) -> module with `Config` and `run(config)`."""
