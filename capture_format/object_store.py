@@ -3,13 +3,8 @@
 fsspec and s3fs load only when an `s3://` location is used (`pip install 'eagle-tap[s3]'`), so the base
 install keeps its three dependencies.
 
-Where the store is and who we are, read from the environment as every AWS client reads it:
-    EAGLE_TAP_S3_ENDPOINT_URL   an S3-compatible server (MinIO, Ceph, moto, ...); unset: botocore's own
-                                AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS itself
-    AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE, AWS_DEFAULT_REGION
-The readers' cache:
-    EAGLE_TAP_CACHE_DIR         default $XDG_CACHE_HOME/eagle-tap/records (~/.cache/eagle-tap/records)
-    EAGLE_TAP_CACHE_MAX_BYTES   default 8 GiB
+Where the store is, who we are and the readers' cache come from the environment (ENVIRONMENT below,
+also in the README's settings table); credentials are read as every AWS client reads them.
 
 What must hold for the cache:
 - a file in it is a whole frame as the store returned it (written to a temp name, then renamed), and a
@@ -38,6 +33,20 @@ ENDPOINT_ENV = "EAGLE_TAP_S3_ENDPOINT_URL"
 CACHE_DIR_ENV = "EAGLE_TAP_CACHE_DIR"
 CACHE_MAX_BYTES_ENV = "EAGLE_TAP_CACHE_MAX_BYTES"
 DEFAULT_CACHE_MAX_BYTES = 8 << 30
+ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
+    (ENDPOINT_ENV, "unset", "Endpoint of an S3-compatible store (MinIO, Ceph, moto, ...); unset: botocore's own "
+     "AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else AWS."),
+    ("AWS_ACCESS_KEY_ID", "unset", "Credentials, region and profile as every AWS client reads them (also "
+     "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE, AWS_DEFAULT_REGION, an instance role)."),
+    (CACHE_DIR_ENV, "~/.cache/eagle-tap/records", "Readers of s3:// shards keep fetched records here "
+     "($XDG_CACHE_HOME/eagle-tap/records when set); a training config's data.cache_dir wins."),
+    (CACHE_MAX_BYTES_ENV, "8 GiB", "Bytes the record cache may hold; least recently used records go first; a "
+     "training config's data.cache_max_bytes wins."),
+)
+"""(variable, default, meaning) of the environment the collector's uploads and every s3:// reader read."""
+ENVIRONMENT_VARIABLES = (ENDPOINT_ENV, "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                         "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", CACHE_DIR_ENV,
+                         CACHE_MAX_BYTES_ENV)
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", re.ASCII)
 
 
@@ -79,7 +88,7 @@ def parse_location(url: str) -> ObjectLocation:
 
 
 def s3_filesystem() -> Any:
-    """A new s3fs filesystem for the environment's endpoint and credentials (module docstring).
+    """A new s3fs filesystem for the environment's endpoint and credentials (ENVIRONMENT).
 
     Not shared with other callers (fsspec would hand every caller one cached instance, which a forked
     loader worker must not reuse) and without a listing cache (listings must show new uploads)."""
@@ -108,7 +117,7 @@ class RecordCache:
     """Frames fetched from the object store, as files in one folder, least recently used evicted first."""
 
     def __init__(self, directory: Path | str | None = None, max_bytes: int | None = None) -> None:
-        """directory and max_bytes default to EAGLE_TAP_CACHE_DIR and EAGLE_TAP_CACHE_MAX_BYTES (module docstring)."""
+        """directory and max_bytes default to EAGLE_TAP_CACHE_DIR and EAGLE_TAP_CACHE_MAX_BYTES (ENVIRONMENT)."""
         if max_bytes is None:
             text = os.environ.get(CACHE_MAX_BYTES_ENV)
             try:

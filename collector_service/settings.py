@@ -10,7 +10,7 @@ import ipaddress
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from capture_format.object_store import parse_location
@@ -96,6 +96,11 @@ class CollectorSettings(BaseSettings):
     """Longest wait between retries of a failed upload (the shard stays local meanwhile)."""
     upload_drain_s: float = Field(default=30.0, ge=0)
     """On shutdown, go on uploading sealed shards this long; the rest is uploaded at the next start."""
+
+    @field_validator("upload_to", "collector_id", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return None if value == "" else value  # `VAR=` in a compose file or an env file means "not set"
 
     @model_validator(mode="after")
     def _check_token_beyond_loopback(self) -> CollectorSettings:
