@@ -18,10 +18,10 @@ a RecordCache; a cached copy that fails its checks is dropped and fetched again 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import PurePosixPath
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from capture_format.errors import CaptureFormatError, ShardError
 from capture_format.object_store import ObjectLocation, RecordCache, object_error, parse_location, s3_filesystem
@@ -39,6 +39,8 @@ from capture_format.shard_reader import DamagedShard, VerifyReport, check_record
 from capture_format.token_ids import RecordTokens, read_token_ids_from_frame
 
 __all__ = ["RemoteShardDirectory", "list_objects"]
+
+T = TypeVar("T")
 
 
 def list_objects(fs: Any, location: ObjectLocation) -> dict[str, int]:
@@ -179,7 +181,7 @@ class RemoteShardDirectory:
         self.num_fetched_bytes += len(data)
         return data
 
-    def read_frame(self, entry: IndexEntry, check: Any) -> Any:
+    def read_frame(self, entry: IndexEntry, check: Callable[[bytes], T]) -> T:
         """check(frame bytes) on the cached copy of entry's frame, or on a fresh one if there is none or the
         cached one fails; a fresh frame that passes is cached."""
         key = self._key(entry)

@@ -7,7 +7,9 @@ What must hold:
   and then answer "duplicate" (or try again if the first write failed);
 - every buffer handed to the writer goes back to the pool only after the writer is done with it;
 - all state here is touched from the event loop thread only; the writer thread reports through
-  loop.call_soon_threadsafe. Disk I/O never runs on the loop.
+  loop.call_soon_threadsafe. Disk I/O never runs on the loop;
+- with upload_to, each shard the writer seals is handed to the uploader thread (collector_service/
+  uploader.py) and nothing waits for its upload.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from capture_format.object_store import parse_location
 from collector_service.buffers import BufferPool
 from collector_service.catalog import Catalog, RecordLocation, open_catalog, shard_name
 from collector_service.errors import ApiError
 from collector_service.receive import ReceivedFrame
-from capture_format.object_store import parse_location
 from collector_service.settings import CollectorSettings
 from collector_service.uploader import Uploader, finish_uploaded, resolve_collector_id
 from collector_service.writer import (

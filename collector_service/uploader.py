@@ -174,6 +174,8 @@ class Uploader:
         self._stop_at: float | None = None
         """Set by stop: the monotonic time after which no upload starts."""
         self._refused: dict[str, str] = {}
+        self._uploading: Path | None = None
+        """The shard being uploaded now (counted as pending until it is done)."""
         self._fs: Any = None
         self.num_uploaded = 0
         self.num_uploaded_nbytes = 0
@@ -209,6 +211,8 @@ class Uploader:
     def stats(self) -> dict[str, Any]:
         with self._condition:
             pending = [item.shard_path.name for item in self._pending]
+            if self._uploading is not None:
+                pending.insert(0, self._uploading.name)
         return {
             "upload_to": self.target.url,
             "collector_id": self.collector_id,
@@ -232,10 +236,12 @@ class Uploader:
                     if untried is None or now >= self._stop_at:
                         return None
                     self._pending.remove(untried)
+                    self._uploading = untried.shard_path
                     return untried
                 due = next((item for item in self._pending if item.not_before <= now), None)
                 if due is not None:
                     self._pending.remove(due)
+                    self._uploading = due.shard_path
                     return due
                 wake_at = min((item.not_before for item in self._pending), default=None)
                 self._condition.wait(None if wake_at is None else max(0.0, wake_at - now))
@@ -259,6 +265,9 @@ class Uploader:
                 self._fs = None  # a fresh client: the old one may hold broken connections
                 with self._condition:
                     self._pending.appendleft(item)
+            finally:
+                with self._condition:
+                    self._uploading = None
 
     def _upload(self, shard_path: Path) -> None:
         if self._fs is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -95,6 +96,13 @@ def test_shard_names_with_and_without_a_collector_id() -> None:
             shard_file_name(1, ".etap", bad)
 
 
+def test_capture_format_loads_no_object_store_client_until_one_is_used() -> None:
+    code = ("import sys, capture_format, capture_format.remote_shards, trainer.data\n"
+            "print(sorted(n for n in sys.modules if n.split('.')[0] in ('fsspec', 's3fs', 'botocore', 'boto3')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
 def test_the_record_cache_stays_bounded_and_evicts_least_recently_used(tmp_path: Path) -> None:
     cache = RecordCache(tmp_path, max_bytes=3000)
     for name in "abc":
@@ -149,6 +157,8 @@ def test_an_unreachable_bucket_keeps_shards_local_until_it_answers(s3: S3Server,
         wait_for(lambda: collector.stats()["upload"]["num_failed_attempts"] >= 2, "uploads to fail")
         stats = collector.stats()
         assert stats["upload"]["num_uploaded"] == 0 and stats["upload"]["last_error"]
+        metrics = collector.client.get("/metrics").text
+        assert f"eagle_tap_collector_upload_pending_shards {float(stats['num_sealed_shards'])}" in metrics
         assert len(pending_uploads(tmp_path / "data")) == stats["num_sealed_shards"] >= 2  # all still here
         with late:
             late.create_bucket("late")

@@ -35,6 +35,11 @@ batches g with g % W == w, so the loader yields them in order. The dataset's who
 number of batches consumed: resuming from it yields exactly the batches an uninterrupted run
 would have. A record whose checksums fail is reported and left out of its batch.
 
+Shards may sit in an object store (`shards = "s3://bucket/prefix"`, capture_format/remote_shards.py):
+then each record is fetched alone (a rank fetches only its own) into a bounded local cache, and the
+records of the next batch are fetched while the current one is used, so the store's latency hides
+behind the training step.
+
 Shape legend: B rows, S positions per row, K capture layers, H hidden size.
 """
 
@@ -52,8 +57,12 @@ import numpy as np
 import torch
 
 import capture_format as cf
+from capture_format.remote_shards import RemoteShardDirectory
 
 log = logging.getLogger(__name__)
+
+Shards = cf.ShardDirectory | RemoteShardDirectory
+"""A local folder or an object-store prefix of sealed shards, read alike."""
 
 
 
@@ -81,7 +90,7 @@ class Config:
     cache_max_bytes: int | None = None
     """Bytes the record cache may hold (None: EAGLE_TAP_CACHE_MAX_BYTES or 8 GiB); least recently used go first."""
 
-    def open_shards(self, skip_damaged: bool = True) -> cf.ShardDirectory | Any:
+    def open_shards(self, skip_damaged: bool = True) -> Shards:
         """The shards this config names, local or remote, with its record cache."""
         cache = cf.RecordCache(self.cache_dir, self.cache_max_bytes) if cf.is_remote(self.shards) else None
         return cf.open_shard_directory(self.shards, skip_damaged=skip_damaged, cache=cache)
@@ -189,7 +198,7 @@ def collate(
     }
 
 
-def open_shards(shards: str | Path | Config) -> cf.ShardDirectory | Any:
+def open_shards(shards: str | Path | Config) -> Shards:
     """The readable shards of a folder or an s3:// prefix; damaged ones are skipped, named and counted in a warning."""
     config = shards if isinstance(shards, Config) else Config(shards=str(shards))
     directory = config.open_shards()
@@ -286,7 +295,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
     def _entries_of(self, batch: tuple[int, int, list[list[int]]]) -> list[cf.IndexEntry]:
         return [self.entries[index] for row in batch[2] for index in row]
 
-    def _read_batch(self, shards: Any, number: int, epoch: int, rows: list[list[int]]) -> dict[str, Any]:
+    def _read_batch(self, shards: Shards, number: int, epoch: int, rows: list[list[int]]) -> dict[str, Any]:
         shifted_rows, record_ids, skipped = [], [], []
         for row in rows:
             shifted_rows.append([])
