@@ -83,13 +83,15 @@ class CollectorSettings(BaseSettings):
     seal_on_shutdown: bool = True
     """Seal the open shard on a clean shutdown (a crash leaves it to start-up recovery)."""
     upload_to: str | None = None
-    """s3://bucket/prefix: upload each sealed shard and its index there, check the copy, then remove the local
-    shard (see keep_local). Endpoint and credentials: EAGLE_TAP_S3_ENDPOINT_URL and the AWS_* variables."""
+    """s3://bucket/prefix to upload sealed shards to; each is checked there, then removed here.
+
+    Endpoint and credentials: EAGLE_TAP_S3_ENDPOINT_URL and the AWS_* variables (the README's table)."""
     keep_local: bool = False
-    """With upload_to: keep each shard in data_dir after its upload checked out (default: remove it)."""
+    """With upload_to: keep each shard in data_dir after its upload checked out."""
     collector_id: str | None = None
-    """Id in the names of this collector's objects (shard-<id>-NNNNNN.etap), unique among the collectors of one
-    prefix; kept in data_dir/collector-id (None: the kept one, or a new random id)."""
+    """Id in this collector's object names (shard-<id>-NNNNNN.etap); unset: the one in data_dir/collector-id.
+
+    Unique among the collectors of one prefix; a new data_dir without one gets a random id."""
     upload_retry_initial_s: float = Field(default=1.0, gt=0)
     """First wait before retrying a failed upload; it doubles per failure of that shard."""
     upload_retry_max_s: float = Field(default=300.0, gt=0)
