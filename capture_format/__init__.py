@@ -50,7 +50,8 @@ from capture_format.records import (
     spans_from_mask,
 )
 from capture_format.shard_index import INDEX_FORMAT_VERSION, IndexEntry, ShardIndex, load_index
-from capture_format.shard_reader import DamagedShard, ShardDirectory, VerifyReport, verify_shard
+from capture_format.object_store import RecordCache, is_remote
+from capture_format.shard_reader import DamagedShard, ShardDirectory, VerifyReport, open_shard_directory, verify_shard
 from capture_format.shards import RecoveryReport, ShardWriter, recover_open_shard, repair_shard, write_shards
 
 __all__ = [
@@ -77,6 +78,7 @@ __all__ = [
     "IndexEntry",
     "InvalidRecordError",
     "LayerConfigError",
+    "RecordCache",
     "RecoveryReport",
     "DamagedShard",
     "ErrorSums",
@@ -100,7 +102,9 @@ __all__ = [
     "codec_for_states",
     "get_codec",
     "inspect_frame",
+    "is_remote",
     "load_index",
+    "open_shard_directory",
     "parse_frame_prefix",
     "read_frame_prefix",
     "recover_open_shard",

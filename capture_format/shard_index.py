@@ -6,6 +6,11 @@ A shard directory holds:
     shard-000001.index.json    its index
     shard-000002.etap.open     the shard a writer is appending to
 
+In an object-store prefix that several collectors write, each object name carries the uploading
+collector's id: `shard-c0ffee-000001.etap` and `shard-c0ffee-000001.index.json`. Readers accept both
+forms anywhere; a shard and its index belong together when their names share the part before the
+suffix (the stem), so two collectors' shards of the same number never meet.
+
 A shard has no file header: it is exactly the frames as received, concatenated, and every frame
 carries its own magic, version and checksums, so a file header would tell a reader nothing new.
 
@@ -32,8 +37,8 @@ from capture_format.errors import CaptureFormatError, ShardError, check_json_typ
 from capture_format.files import write_file_atomically
 from capture_format.frame_header import FrameInfo
 
-__all__ = ["INDEX_FORMAT_VERSION", "IndexEntry", "ShardFiles", "ShardIndex", "build_index", "list_shard_files",
-           "load_index", "write_index"]
+__all__ = ["INDEX_FORMAT_VERSION", "IndexEntry", "ShardFiles", "ShardIndex", "build_index", "check_collector_id",
+           "format_index", "list_shard_files", "load_index", "parse_index", "shard_stem", "write_index"]
 
 INDEX_FORMAT_VERSION = 1
 SEALED_SUFFIX = ".etap"
@@ -41,7 +46,10 @@ OPEN_SUFFIX = ".etap.open"
 INDEX_SUFFIX = ".index.json"
 QUARANTINE_DIR_NAME = "quarantine"
 """Sub-folder where the collector moves damaged shards at start-up; their numbers are never reused."""
-_FILE_NAME = re.compile(r"shard-(\d{6,})(\.etap|\.etap\.open|\.index\.json)", re.ASCII)
+UPLOADED_DIR_NAME = "uploaded"
+"""Sub-folder holding the index of each shard the collector verified in its bucket (its numbers stay taken)."""
+_COLLECTOR_ID = re.compile(r"[a-z0-9][a-z0-9_]{0,31}", re.ASCII)
+_FILE_NAME = re.compile(r"shard-(?:([a-z0-9][a-z0-9_]{0,31})-)?(\d{6,})(\.etap|\.etap\.open|\.index\.json)", re.ASCII)
 _CHECKSUM = re.compile(r"[0-9a-f]{16}", re.ASCII)
 _RECORD_FIELDS = ("record_id", "sample_id", "offset", "length", "num_tokens", "header_xxh3_64", "ids_xxh3_64")
 _SHARED_FIELDS = ("model_fingerprint", "capture_layers", "hidden_size", "dtype")
@@ -58,14 +66,29 @@ _INDEX_FIELDS = (
 )
 
 
-def shard_file_name(number: int, suffix: str) -> str:
-    return f"shard-{number:06d}{suffix}"
+def check_collector_id(collector_id: str) -> str:
+    """A collector id as shard names carry it: 1-32 of lowercase letters, digits and '_', not starting with '_'."""
+    if not isinstance(collector_id, str) or _COLLECTOR_ID.fullmatch(collector_id) is None:
+        raise ValueError(f"collector id {describe(collector_id)} must be 1-32 characters of a-z, 0-9 and '_', "
+                         "starting with a letter or digit (it becomes part of shard names)")
+    return collector_id
+
+
+def shard_file_name(number: int, suffix: str, collector_id: str | None = None) -> str:
+    owner = "" if collector_id is None else f"{check_collector_id(collector_id)}-"
+    return f"shard-{owner}{number:06d}{suffix}"
 
 
 def parse_shard_file_name(name: str) -> tuple[int, str] | None:
-    """Returns (number, suffix) for a shard, open shard or index file name, else None."""
+    """Returns (number, suffix) for a shard, open shard or index file name (with or without a collector id), else None."""
     match = _FILE_NAME.fullmatch(name)
-    return None if match is None else (int(match.group(1)), match.group(2))
+    return None if match is None else (int(match.group(2)), match.group(3))
+
+
+def shard_stem(name: str) -> str | None:
+    """The name without its suffix (`shard-000001`, `shard-c0ffee-000001`): a shard's and its index's, else None."""
+    match = _FILE_NAME.fullmatch(name)
+    return None if match is None else name[: match.start(3)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +119,7 @@ def index_path_for(shard_path: Path) -> Path:
     parsed = parse_shard_file_name(shard_path.name)
     if parsed is None or parsed[1] == INDEX_SUFFIX:
         raise ShardError(f"{describe(str(shard_path))} is not a shard file name like shard-000001{SEALED_SUFFIX}")
-    return shard_path.with_name(shard_file_name(parsed[0], INDEX_SUFFIX))
+    return shard_path.with_name(shard_stem(shard_path.name) + INDEX_SUFFIX)
 
 
 def fsync_directory(directory: Path) -> None:
@@ -213,9 +236,14 @@ def _format_index(data: dict[str, Any]) -> str:
     return "{\n" + ",\n".join(fields) + "\n}\n"
 
 
+def format_index(index: ShardIndex) -> str:
+    """The index file's text (what write_index writes)."""
+    return _format_index(index.to_json())
+
+
 def write_index(index: ShardIndex, index_path: Path) -> None:
     """Writes the index atomically: a reader sees the previous file or the whole new one."""
-    write_file_atomically(index_path, _format_index(index.to_json()))
+    write_file_atomically(index_path, format_index(index))
 
 
 def _parse_entry(row: object, shared: dict[str, Any], shard_path: Path) -> IndexEntry:
@@ -285,17 +313,25 @@ def _index_from_json(data: object, shard_path: Path) -> ShardIndex:
     return index
 
 
+def parse_index(text: bytes, shard_path: Path, where: str) -> ShardIndex:
+    """Checks and parses an index file's bytes for the shard at shard_path; ShardError starts with `where`
+    (the index file's path or URL) on any problem."""
+    try:
+        data = json.loads(text)
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise ShardError(f"{where}: not valid JSON: {err}") from None
+    try:
+        return _index_from_json(data, shard_path)
+    except CaptureFormatError as err:
+        raise ShardError(f"{where}: {err}") from None
+
+
 def load_index(shard_path: Path | str) -> ShardIndex:
     """Reads and checks the index of a sealed shard; ShardError names the index file on any problem."""
     shard_path = Path(shard_path)
     index_path = index_path_for(shard_path)
     try:
-        data = json.loads(index_path.read_bytes())
+        text = index_path.read_bytes()
     except FileNotFoundError:
         raise ShardError(f"sealed shard {shard_path} has no index {index_path.name}") from None
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise ShardError(f"{index_path}: not valid JSON: {err}") from None
-    try:
-        return _index_from_json(data, shard_path)
-    except CaptureFormatError as err:
-        raise ShardError(f"{index_path}: {err}") from None
+    return parse_index(text, shard_path, str(index_path))

@@ -11,13 +11,15 @@ and in forked loader workers.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from capture_format.errors import CaptureFormatError, ChecksumError, FrameError, ShardError
 from capture_format.frames import decode_frame, inspect_frame_header, parse_frame_prefix
+from capture_format.object_store import RecordCache, is_remote
 from capture_format.records import CaptureRecord
 from capture_format.shard_index import (
     SEALED_SUFFIX,
@@ -25,10 +27,15 @@ from capture_format.shard_index import (
     ShardIndex,
     list_shard_files,
     load_index,
-    shard_file_name,
+    shard_stem,
 )
+from capture_format.token_ids import RecordTokens, read_token_ids
 
-__all__ = ["DamagedShard", "ShardDirectory", "VerifyReport", "verify_shard"]
+if TYPE_CHECKING:
+    from capture_format.remote_shards import RemoteShardDirectory
+
+__all__ = ["DamagedShard", "ShardDirectory", "VerifyReport", "check_record_bytes", "open_shard_directory",
+           "verify_shard"]
 
 _CROSS_CHECKED = ("record_id", "sample_id", "num_tokens", "ids_xxh3_64", "model_fingerprint", "capture_layers",
                   "hidden_size", "dtype")
@@ -36,8 +43,13 @@ _CROSS_CHECKED = ("record_id", "sample_id", "num_tokens", "ids_xxh3_64", "model_
 
 
 def _read_record(fd: int, entry: IndexEntry) -> CaptureRecord:
-    where = f"{entry.shard_path} at offset {entry.offset}"
-    data = os.pread(fd, entry.length, entry.offset)
+    return check_record_bytes(os.pread(fd, entry.length, entry.offset), entry, str(entry.shard_path))
+
+
+def check_record_bytes(data: bytes | memoryview, entry: IndexEntry, shard_name: str) -> CaptureRecord:
+    """Decodes the frame bytes read for entry, with every check of the module docstring; errors name
+    shard_name (a path or URL) and the offset."""
+    where = f"{shard_name} at offset {entry.offset}"
     try:
         if len(data) != entry.length:
             raise FrameError(f"the shard ends {len(data)} bytes into this {entry.length}-byte record")
@@ -91,10 +103,10 @@ class ShardDirectory:
                 if not skip_damaged:
                     raise
                 damaged.append(DamagedShard(shard_path, f"{shard_path.name}: {err}"))
-        present = {number for number, _ in files.sealed + files.open}
-        for number, index_path in files.indexes:
-            if number not in present:
-                reason = f"{index_path} is an index without a shard ({shard_file_name(number, SEALED_SUFFIX)} is gone)"
+        present = {shard_stem(path.name) for _, path in files.sealed + files.open}
+        for _, index_path in files.indexes:
+            if shard_stem(index_path.name) not in present:
+                reason = f"{index_path} is an index without a shard ({shard_stem(index_path.name)}{SEALED_SUFFIX} is gone)"
                 if not skip_damaged:
                     raise ShardError(reason)
                 damaged.append(DamagedShard(index_path, reason))
@@ -120,6 +132,9 @@ class ShardDirectory:
 
     def read_record(self, entry: IndexEntry) -> CaptureRecord:
         """Reads and fully verifies the record at entry (see the module docstring)."""
+        return _read_record(self._fd(entry), entry)
+
+    def _fd(self, entry: IndexEntry) -> int:
         fd = self._fds.get(entry.shard_path)
         if fd is None:
             opened_fd = os.open(entry.shard_path, os.O_RDONLY | os.O_CLOEXEC)
@@ -127,7 +142,14 @@ class ShardDirectory:
             fd = self._fds.setdefault(entry.shard_path, opened_fd)
             if fd != opened_fd:
                 os.close(opened_fd)
-        return _read_record(fd, entry)
+        return fd
+
+    def read_token_ids(self, entry: IndexEntry) -> RecordTokens:
+        """Token ids and loss spans of the record at entry (capture_format.token_ids), nothing of its states."""
+        return read_token_ids(entry, self._fd(entry))
+
+    def prefetch(self, entries: Iterable[IndexEntry]) -> None:
+        """Nothing to do for a local folder (RemoteShardDirectory fetches ahead here)."""
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -183,3 +205,14 @@ def verify_shard(path: Path | str) -> VerifyReport:
     return VerifyReport(
         shard_path=shard_path, num_records=index.num_records, num_verified=num_verified, problems=tuple(problems)
     )
+
+
+def open_shard_directory(location: str | os.PathLike[str], *, skip_damaged: bool = False,
+                         cache: RecordCache | None = None) -> ShardDirectory | RemoteShardDirectory:
+    """The sealed shards of a local folder or of an s3://bucket/prefix (capture_format.remote_shards),
+    read alike: `shards`, `damaged`, `iter_index`, `read_record`, `read_token_ids`, `prefetch`."""
+    if is_remote(location):
+        from capture_format.remote_shards import RemoteShardDirectory
+
+        return RemoteShardDirectory(str(location), skip_damaged=skip_damaged, cache=cache)
+    return ShardDirectory(location, skip_damaged=skip_damaged)

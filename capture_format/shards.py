@@ -35,6 +35,7 @@ from capture_format.shard_index import (
     OPEN_SUFFIX,
     QUARANTINE_DIR_NAME,
     SEALED_SUFFIX,
+    UPLOADED_DIR_NAME,
     ShardIndex,
     build_index,
     fsync_directory,
@@ -42,6 +43,7 @@ from capture_format.shard_index import (
     list_shard_files,
     parse_shard_file_name,
     shard_file_name,
+    shard_stem,
     write_index,
 )
 
@@ -50,7 +52,8 @@ __all__ = ["RecoveryReport", "ShardWriter", "recover_open_shard", "repair_shard"
 
 def _next_shard_number(directory: Path) -> int:
     numbers = []
-    for folder in (Path(directory), Path(directory) / QUARANTINE_DIR_NAME):  # a quarantined number stays taken
+    # A quarantined number stays taken, and so does an uploaded one: its name is already in the bucket.
+    for folder in (Path(directory), Path(directory) / QUARANTINE_DIR_NAME, Path(directory) / UPLOADED_DIR_NAME):
         if folder.is_dir():
             files = list_shard_files(folder)
             numbers += [number for number, _ in files.sealed + files.open + files.indexes]
@@ -66,8 +69,7 @@ def _lock(fd: int, path: Path) -> None:
 
 def _seal(open_path: Path, fd: int, frames: list[tuple[int, FrameInfo]], shard_nbytes: int) -> ShardIndex:
     """Syncs the open shard, writes its index, renames it to its sealed name and syncs the directory."""
-    number, _ = parse_shard_file_name(open_path.name)
-    sealed_path = open_path.with_name(shard_file_name(number, SEALED_SUFFIX))
+    sealed_path = open_path.with_name(shard_stem(open_path.name) + SEALED_SUFFIX)
     os.fsync(fd)
     index = build_index(sealed_path, shard_nbytes, frames)
     write_index(index, index_path_for(sealed_path))

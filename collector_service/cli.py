@@ -18,7 +18,7 @@ __all__ = ["add_commands", "main"]
 
 
 FLAG_SETTINGS = ("host", "port", "token", "durability", "max_body_bytes", "seal_after_bytes", "seal_after_s",
-                 "min_free_bytes")
+                 "min_free_bytes", "upload_to", "keep_local", "collector_id")
 """CollectorSettings fields that `collect` also takes as flags (--max-body-bytes, ...): each flag's type,
 choices and help come from the field itself, so a setting is described once, in settings.py."""
 
@@ -36,7 +36,9 @@ def _add_setting_flags(collect: argparse.ArgumentParser) -> None:
             options["choices"] = typing.get_args(kind)
         elif kind in (int, float):
             options["type"] = kind
-        options["help"] += f" (default {field.default})" if name != "token" else ""
+        elif kind is bool:
+            options["action"] = "store_true"
+        options["help"] += f" (default {field.default})" if name != "token" and field.default is not None else ""
         collect.add_argument(f"--{name.replace('_', '-')}", **options)
 
 
@@ -92,6 +94,12 @@ def _collect(args: argparse.Namespace) -> int:
         keep_freed_memory(settings.malloc_retained_bytes)
     if settings.token is None:
         print("warning: no token set: anyone on this machine can write records (loopback only)", file=sys.stderr)
+    if settings.upload_to is None and (settings.keep_local or settings.collector_id is not None):
+        print("warning: keep_local and collector_id apply to uploads only; no upload_to is set", file=sys.stderr)
+    if settings.upload_to is not None:
+        from capture_format.object_store import s3_filesystem
+
+        s3_filesystem()  # without s3fs installed, fail now rather than in the uploader thread
     listener = _listen(settings.host, settings.port)
     port = listener.getsockname()[1]
     config = uvicorn.Config(
@@ -103,9 +111,10 @@ def _collect(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=30,
     )
     host_in_url = f"[{settings.host}]" if ":" in settings.host else settings.host
+    uploads = f", uploads to {settings.upload_to}" if settings.upload_to else ""
     print(
         f"collector listening on http://{host_in_url}:{port} (data: {settings.data_dir}, "
-        f"durability: {settings.durability})",
+        f"durability: {settings.durability}{uploads})",
         flush=True,
     )
     uvicorn.Server(config).run(sockets=[listener])
@@ -126,7 +135,7 @@ def _shards_folder(args: argparse.Namespace) -> Path:
 def _shards_verify(args: argparse.Namespace) -> int:
     from collector_service.shard_tools import verify_directory
 
-    return 0 if verify_directory(_shards_folder(args), out=sys.stdout) else 1
+    return 0 if verify_directory(_shard_location(args), out=sys.stdout) else 1
 
 
 def _shards_repair(args: argparse.Namespace) -> int:
@@ -138,7 +147,7 @@ def _shards_repair(args: argparse.Namespace) -> int:
 def _shards_stats(args: argparse.Namespace) -> int:
     from collector_service.shard_tools import print_stats
 
-    print_stats(_shards_folder(args), out=sys.stdout)
+    print_stats(_shard_location(args), out=sys.stdout)
     return 0
 
 
@@ -147,6 +156,14 @@ def _shards_recode(args: argparse.Namespace) -> int:
 
     recode_directory(_shards_folder(args), Path(args.out), args.codec, out=sys.stdout)
     return 0
+
+
+def _shard_location(args: argparse.Namespace) -> str | Path:
+    """The shards folder given: an s3:// location as given, anything else as a local folder."""
+    from capture_format.object_store import is_remote
+
+    text = args.shards or args.shards_positional
+    return text if is_remote(text) else Path(text)
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -169,11 +186,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     shards = subparsers.add_parser("shards", help="verify, summarize, repair or re-encode a shards folder (--shards DIR)")
     shard_commands = shards.add_subparsers(dest="shards_command", required=True, metavar="ACTION")
     verify = shard_commands.add_parser("verify", help="check every shard against its index, every record's checksums; "
-                                       "list the codecs (lossy ones with their measured error)")
+                                       "list the codecs (lossy ones with their measured error); DIR may be s3://bucket/prefix")
     _add_shards_folder(verify)
     verify.set_defaults(run=_shards_verify)
     stats = shard_commands.add_parser("stats", help="print shards, records, tokens, bytes, compression ratio and the "
-                                      "codecs (lossy ones with their measured error)")
+                                      "codecs (lossy ones with their measured error); DIR may be s3://bucket/prefix (indexes only)")
     _add_shards_folder(stats)
     stats.set_defaults(run=_shards_stats)
     repair = shard_commands.add_parser(

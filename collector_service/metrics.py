@@ -55,6 +55,17 @@ class _StatsCollector:
         yield rejects
         yield GaugeMetricFamily(f"{_PREFIX}_up", "1 while the writer can write, 0 after a storage failure.",
                                 value=0 if stats["failed_reason"] else 1)
+        upload = stats.get("upload")
+        if upload is not None:  # only with upload_to
+            yield GaugeMetricFamily(f"{_PREFIX}_upload_pending_shards",
+                                    "Sealed shards waiting here for their upload (grows while the bucket fails).",
+                                    value=upload["num_pending"])
+            yield CounterMetricFamily(f"{_PREFIX}_uploaded_shards", "Shards uploaded, checked and removed here.",
+                                      value=upload["num_uploaded"])
+            yield CounterMetricFamily(f"{_PREFIX}_uploaded_bytes", "Bytes of the shards uploaded by this process.",
+                                      value=upload["num_uploaded_nbytes"])
+            yield CounterMetricFamily(f"{_PREFIX}_upload_failures", "Upload attempts that failed (each is retried).",
+                                      value=upload["num_failed_attempts"])
 
 
 class CollectorMetrics:

@@ -10,8 +10,11 @@ import ipaddress
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from capture_format.object_store import parse_location
+from capture_format.shard_index import check_collector_id
 
 __all__ = ["CollectorSettings", "DurabilityMode", "is_loopback_host"]
 
@@ -79,6 +82,27 @@ class CollectorSettings(BaseSettings):
     See malloc_tuning.py: recycling the HTTP stack's per-read buffers made receive 3-4x faster here."""
     seal_on_shutdown: bool = True
     """Seal the open shard on a clean shutdown (a crash leaves it to start-up recovery)."""
+    upload_to: str | None = None
+    """s3://bucket/prefix to upload sealed shards to; each is checked there, then removed here.
+
+    Endpoint and credentials: EAGLE_TAP_S3_ENDPOINT_URL and the AWS_* variables (the README's table)."""
+    keep_local: bool = False
+    """With upload_to: keep each shard in data_dir after its upload checked out."""
+    collector_id: str | None = None
+    """Id in this collector's object names (shard-<id>-NNNNNN.etap); unset: the one in data_dir/collector-id.
+
+    Unique among the collectors of one prefix; a new data_dir without one gets a random id."""
+    upload_retry_initial_s: float = Field(default=1.0, gt=0)
+    """First wait before retrying a failed upload; it doubles per failure of that shard."""
+    upload_retry_max_s: float = Field(default=300.0, gt=0)
+    """Longest wait between retries of a failed upload (the shard stays local meanwhile)."""
+    upload_drain_s: float = Field(default=30.0, ge=0)
+    """On shutdown, go on uploading sealed shards this long; the rest is uploaded at the next start."""
+
+    @field_validator("upload_to", "collector_id", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return None if value == "" else value  # `VAR=` in a compose file or an env file means "not set"
 
     @model_validator(mode="after")
     def _check_token_beyond_loopback(self) -> CollectorSettings:
@@ -94,4 +118,8 @@ class CollectorSettings(BaseSettings):
             )
         if self.token is not None and not self.token.get_secret_value():
             raise ValueError("token is empty: give a non-empty token, or none (loopback only)")
+        if self.upload_to is not None:
+            parse_location(self.upload_to)
+        if self.collector_id is not None:
+            check_collector_id(self.collector_id)
         return self

@@ -1,6 +1,8 @@
 """`eagle-tap shards verify|stats|repair|recode --shards DIR`: check, summarize, repair and re-encode shard
 directories (capture_format only).
 
+verify and stats also read an object-store prefix (s3://bucket/prefix) the collector uploads to.
+
 verify: every sealed shard against its index and every record's checksums (decoding it), indexes
 without a shard, and record ids stored twice. Open shards are listed, not read: the collector
 recovers them when it starts. Returns False if anything is wrong. verify and stats also list the
@@ -20,16 +22,23 @@ from collections import Counter
 from pathlib import Path
 from typing import TextIO
 
-from capture_format import ShardDirectory, ShardError, load_index, repair_shard, verify_shard
+from capture_format import (
+    ShardDirectory,
+    ShardError,
+    is_remote,
+    load_index,
+    open_shard_directory,
+    repair_shard,
+    verify_shard,
+)
 from capture_format.shard_codecs import codec_summary, format_codec_summary, recode_shards
 from capture_format.shard_index import (
-    INDEX_SUFFIX,
     QUARANTINE_DIR_NAME,
     SEALED_SUFFIX,
+    UPLOADED_DIR_NAME,
     index_path_for,
     list_shard_files,
-    parse_shard_file_name,
-    shard_file_name,
+    shard_stem,
 )
 from capture_format.tables import text_table
 
@@ -45,8 +54,11 @@ def _print_codecs(data_dir: Path, out: TextIO) -> list[str]:
     return problems
 
 
-def verify_directory(data_dir: Path, *, out: TextIO) -> bool:
-    """Prints one line per shard and a summary; True when no problem was found (an empty folder is one)."""
+def verify_directory(data_dir: Path | str, *, out: TextIO) -> bool:
+    """Prints one line per shard and a summary; True when no problem was found (an empty folder is one).
+    data_dir may be an s3://bucket/prefix: every shard object is read in full and checked the same way."""
+    if is_remote(data_dir):
+        return _verify_remote(str(data_dir), out=out)
     files = list_shard_files(data_dir)
     problems: list[str] = []
     record_ids: Counter[str] = Counter()
@@ -69,17 +81,17 @@ def verify_directory(data_dir: Path, *, out: TextIO) -> bool:
             print(f"  {problem}", file=out)
     for _, path in files.open:
         print(f"{path.name}: open, not verified (the collector writes it, or recovers it when it starts)", file=out)
-    shard_numbers = {number for number, _ in files.sealed + files.open}
-    for number, path in files.indexes:
-        if number not in shard_numbers:
-            problem = f"{path.name}: index without a shard ({shard_file_name(number, SEALED_SUFFIX)} is missing)"
+    shard_stems = {shard_stem(path.name) for _, path in files.sealed + files.open}
+    for _, path in files.indexes:
+        if shard_stem(path.name) not in shard_stems:
+            problem = f"{path.name}: index without a shard ({shard_stem(path.name)}{SEALED_SUFFIX} is missing)"
             problems.append(problem)
             print(problem, file=out)
-    for record_id, count in sorted(record_ids.items()):
-        if count > 1:
-            problem = f"record {record_id!r} is stored {count} times"
-            problems.append(problem)
-            print(problem, file=out)
+    problems += _report_repeats(record_ids, out)
+    uploaded = data_dir / UPLOADED_DIR_NAME
+    if uploaded.is_dir():
+        print(f"{len(list_shard_files(uploaded).indexes)} shards uploaded to an object store are listed in "
+              f"{UPLOADED_DIR_NAME}/ (verify them there: eagle-tap shards verify s3://...)", file=out)
     if not (files.sealed or files.open or files.indexes):
         problems.append(f"{data_dir} holds no shard files (shard-NNNNNN{SEALED_SUFFIX}): is it the shards folder?")
         print(f"warning: {problems[-1]}", file=out)
@@ -94,9 +106,52 @@ def verify_directory(data_dir: Path, *, out: TextIO) -> bool:
     return not problems
 
 
-def print_stats(data_dir: Path, *, out: TextIO) -> None:
-    """Prints totals over the readable sealed shards: records, tokens, bytes, compression; damaged ones by name."""
-    with ShardDirectory(data_dir, skip_damaged=True) as shards:
+def _report_repeats(record_ids: Counter[str], out: TextIO) -> list[str]:
+    problems = []
+    for record_id, count in sorted(record_ids.items()):
+        if count > 1:
+            problems.append(f"record {record_id!r} is stored {count} times")
+            print(problems[-1], file=out)
+    return problems
+
+
+def _verify_remote(url: str, *, out: TextIO) -> bool:
+    """verify_directory for an object-store prefix (capture_format.remote_shards says what a prefix holds)."""
+    from capture_format.remote_shards import RemoteShardDirectory
+
+    problems: list[str] = []
+    record_ids: Counter[str] = Counter()
+    num_records = num_verified = 0
+    with RemoteShardDirectory(url, skip_damaged=True) as shards:
+        for shard in shards.shards:
+            report = shards.verify_shard(shard)
+            record_ids.update(entry.record_id for entry in shard.entries)
+            num_records += report.num_records
+            num_verified += report.num_verified
+            problems.extend(report.problems)
+            status = "ok" if report.ok else f"{len(report.problems)} problems"
+            print(f"{shard.shard_path.name}: {report.num_verified}/{report.num_records} records verified, {status}",
+                  file=out)
+            for problem in report.problems:
+                print(f"  {problem}", file=out)
+        for damaged in shards.damaged:
+            problems.append(damaged.reason)
+            print(f"FAILED: {damaged.reason}", file=out)
+        for path in shards.open_shard_paths:
+            print(f"{path.name}: no index yet, not verified (its collector puts the index after checking the upload)",
+                  file=out)
+        problems += _report_repeats(record_ids, out)
+        num_sealed, num_open = len(shards.shards) + len(shards.damaged), len(shards.open_shard_paths)
+    verdict = "OK" if not problems else f"FAILED ({len(problems)} problems)"
+    print(f"{num_sealed} sealed shards, {num_open} without an index; {num_verified}/{num_records} records verified: "
+          f"{verdict}", file=out)
+    return not problems
+
+
+def print_stats(data_dir: Path | str, *, out: TextIO) -> None:
+    """Prints totals over the readable sealed shards: records, tokens, bytes, compression; damaged ones by name.
+    data_dir may be an s3://bucket/prefix (its indexes are read, no shard)."""
+    with open_shard_directory(data_dir, skip_damaged=True) as shards:
         raw_nbytes = sum(shard.raw_nbytes for shard in shards.shards)
         stored_nbytes = sum(shard.stored_nbytes for shard in shards.shards)
         shard_nbytes = sum(shard.shard_nbytes for shard in shards.shards)
@@ -115,6 +170,9 @@ def print_stats(data_dir: Path, *, out: TextIO) -> None:
     print(text_table(rows, align="<<"), file=out)
     for line in damaged:
         print(line, file=out)
+    if is_remote(data_dir):  # the codecs live in the frame headers, which stats does not fetch from a bucket
+        print("codecs: not listed for an object store (stats reads its indexes only)", file=out)
+        return
     for problem in _print_codecs(data_dir, out):
         print(f"  {problem}", file=out)
 
@@ -149,7 +207,7 @@ def repair_directory(data_dir: Path, *, out: TextIO) -> bool:
     quarantine = data_dir / QUARANTINE_DIR_NAME
     quarantined = list_shard_files(quarantine).sealed if quarantine.is_dir() else []
     num_repaired = num_kept = num_lost = 0
-    for number, shard_path in [*files.sealed, *quarantined]:
+    for _, shard_path in [*files.sealed, *quarantined]:
         from_quarantine = shard_path.parent == quarantine
         if not from_quarantine and not _needs_repair(shard_path):
             continue
@@ -166,13 +224,13 @@ def repair_directory(data_dir: Path, *, out: TextIO) -> bool:
             if (data_dir / shard_path.name).exists():
                 print(f"  left in {QUARANTINE_DIR_NAME}/: {data_dir / shard_path.name} exists", file=out)
                 continue
-            os.replace(index_path_for(shard_path), data_dir / shard_file_name(number, INDEX_SUFFIX))
+            os.replace(index_path_for(shard_path), data_dir / index_path_for(shard_path).name)
             os.replace(shard_path, data_dir / shard_path.name)
             print(f"  moved back into {data_dir}", file=out)
     for _, index_path in files.indexes:
-        number, _ = parse_shard_file_name(index_path.name)
-        if not (data_dir / shard_file_name(number, SEALED_SUFFIX)).exists() and not any(
-                n == number for n, _ in files.open):
+        stem = shard_stem(index_path.name)
+        if not (data_dir / (stem + SEALED_SUFFIX)).exists() and not any(
+                shard_stem(path.name) == stem for _, path in files.open):
             print(f"{index_path.name}: index without a shard: nothing to rebuild from; remove it", file=out)
     print(f"{num_repaired} shards repaired: {num_kept} records kept, {num_lost} dropped", file=out)
     with ShardDirectory(data_dir, skip_damaged=True) as shards:

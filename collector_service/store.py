@@ -7,7 +7,9 @@ What must hold:
   and then answer "duplicate" (or try again if the first write failed);
 - every buffer handed to the writer goes back to the pool only after the writer is done with it;
 - all state here is touched from the event loop thread only; the writer thread reports through
-  loop.call_soon_threadsafe. Disk I/O never runs on the loop.
+  loop.call_soon_threadsafe. Disk I/O never runs on the loop;
+- with upload_to, each shard the writer seals is handed to the uploader thread (collector_service/
+  uploader.py) and nothing waits for its upload.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from capture_format.object_store import parse_location
 from collector_service.buffers import BufferPool
 from collector_service.catalog import Catalog, RecordLocation, open_catalog, shard_name
 from collector_service.errors import ApiError
 from collector_service.receive import ReceivedFrame
 from collector_service.settings import CollectorSettings
+from collector_service.uploader import Uploader, finish_uploaded, resolve_collector_id
 from collector_service.writer import (
     CommitObserver,
     ShardEvent,
@@ -37,7 +41,6 @@ from collector_service.writer import (
 __all__ = ["RecordStore", "SubmitOutcome"]
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +57,11 @@ class RecordStore:
     """Owns the catalog of stored ids, the writer thread and the receive buffers of one app."""
 
     def __init__(
-        self, settings: CollectorSettings, catalog: Catalog, observe_commit: CommitObserver | None = None
+        self, settings: CollectorSettings, catalog: Catalog, observe_commit: CommitObserver | None = None,
+        uploader: Uploader | None = None,
     ) -> None:
         self.settings = settings
+        self._uploader = uploader
         self.buffer_pool = BufferPool(settings.buffer_pool_bytes, settings.max_inflight_bytes)
         self.decode_slots = asyncio.Semaphore(settings.max_concurrent_decodes)
         """Frames being decoded at once (ingest decodes each once): bounds the CPU and memory it takes."""
@@ -89,19 +94,34 @@ class RecordStore:
 
     @classmethod
     async def open(cls, settings: CollectorSettings, observe_commit: CommitObserver | None = None) -> RecordStore:
-        """Recovers and indexes data_dir (in a thread), then starts the writer."""
+        """Recovers and indexes data_dir (in a thread), then starts the writer (and the uploader, if set)."""
+        uploader = None
+        if settings.upload_to is not None:
+            collector_id = resolve_collector_id(settings.data_dir, settings.collector_id)
+            await asyncio.to_thread(finish_uploaded, settings.data_dir, settings.keep_local)
         catalog = await asyncio.to_thread(open_catalog, settings.data_dir)
-        store = cls(settings, catalog, observe_commit)
+        if settings.upload_to is not None:
+            uploader = Uploader(settings.data_dir, parse_location(settings.upload_to), collector_id,
+                                keep_local=settings.keep_local, retry_initial_s=settings.upload_retry_initial_s,
+                                retry_max_s=settings.upload_retry_max_s)
+        store = cls(settings, catalog, observe_commit, uploader)
         store._writer.start()
+        if uploader is not None:
+            uploader.start()
         return store
 
     async def close(self) -> None:
-        """Stops accepting, lets the writer finish what it has, seals (if set) and joins it."""
+        """Stops accepting, lets the writer finish what it has, seals (if set) and joins it; then gives the
+        uploader upload_drain_s to upload what is sealed."""
         self._accepting = False
         self._writer.stop()
         await asyncio.to_thread(self._writer.join)
         # The writer's last report was scheduled on the loop before join returned: let it run.
         await asyncio.sleep(0)
+        if self._uploader is not None:
+            self._uploader.stop(self.settings.upload_drain_s)
+            # An upload still running after the drain time is cut off with the process; the next start redoes it.
+            await asyncio.to_thread(self._uploader.join, self.settings.upload_drain_s + 5.0)
 
     @property
     def failed_reason(self) -> str | None:
@@ -173,6 +193,8 @@ class RecordStore:
             self._shard_states[event.shard_number] = event.state
             if event.state == "sealed":
                 self.totals.num_sealed_shards += 1
+                if self._uploader is not None:
+                    self._uploader.submit(self.settings.data_dir / shard_name(event.shard_number, True))
             elif event.state == "abandoned":
                 log.error("shard %d left open for recovery: %s", event.shard_number, event.detail)
         if any(result.error is None for result in results):
@@ -229,6 +251,7 @@ class RecordStore:
             "num_quarantined_shards": len(self.quarantined),
             "quarantined_shards": list(self.quarantined),
             "uptime_s": round(time.monotonic() - self.started_at, 3),
+            "upload": None if self._uploader is None else self._uploader.stats(),
         }
 
 

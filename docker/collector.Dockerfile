@@ -19,7 +19,7 @@ COPY collector_service /tmp/eagle-tap/collector_service
 COPY client /tmp/eagle-tap/client
 COPY trainer /tmp/eagle-tap/trainer
 COPY eagle_tap /tmp/eagle-tap/eagle_tap
-RUN pip install "/tmp/eagle-tap[collector]" && rm -rf /tmp/eagle-tap
+RUN pip install "/tmp/eagle-tap[collector,s3]" && rm -rf /tmp/eagle-tap
 
 # Not root; /data belongs to that user before the volume is declared, so a new named volume does too.
 RUN useradd --system --uid 10001 --create-home --home-dir /home/eagle-tap eagle-tap \

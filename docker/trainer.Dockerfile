@@ -25,7 +25,7 @@ COPY eagle_tap /opt/eagle-tap/src/eagle_tap
 # with a wheel from PyPI; everything else the extras need is added.
 RUN cd /opt/eagle-tap \
  && python pin_installed.py torch > image-pins.txt \
- && PIP_BREAK_SYSTEM_PACKAGES=1 python -m pip install -c image-pins.txt "./src[trainer,client]" \
+ && PIP_BREAK_SYSTEM_PACKAGES=1 python -m pip install -c image-pins.txt "./src[trainer,client,s3]" \
  && python pin_installed.py --check image-pins.txt \
  && eagle-tap --help > /dev/null \
  && rm -rf /opt/eagle-tap/src

@@ -1,4 +1,4 @@
-"""Every setting of the plugin, the collector and the trainer in one Markdown table, built from the code.
+"""Every setting of the plugin, the collector, the trainer and the object store in one Markdown table, from the code.
 
 The README embeds the table between `<!-- settings -->` markers; a test fails when the two differ, so
 the table cannot drift from the settings classes. `python -m eagle_tap.settings_table` prints it.
@@ -86,6 +86,7 @@ def _collector_flags() -> dict[str, str]:
 
 
 def settings_table() -> str:
+    from capture_format.object_store import ENVIRONMENT as OBJECT_STORE_ENVIRONMENT
     from collector_service.settings import CollectorSettings
     from sglang_patch.settings import CaptureSettings
     from trainer.train import Config as TrainConfig
@@ -93,6 +94,8 @@ def settings_table() -> str:
     rows = _pydantic_rows(CaptureSettings, "plugin (SGLang server env)", "EAGLE_TAP_", {})
     rows += _pydantic_rows(CollectorSettings, "collector (env / flag)", "EAGLE_TAP_COLLECTOR_", _collector_flags())
     rows += _dataclass_rows(TrainConfig, "trainer (`train --config` key)")
+    rows += [("object store (env of collector and readers)", f"`{name}`", default, meaning)
+             for name, default, meaning in OBJECT_STORE_ENVIRONMENT]
     return markdown_table(["part", "setting", "default", "meaning"], rows)
 
 

@@ -33,6 +33,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
+from capture_format.object_store import ENVIRONMENT_VARIABLES as OBJECT_STORE_VARIABLES
 from eagle_tap.cli import build_parser
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +41,7 @@ DOCKER_DIR = REPO_ROOT / "docker"
 COMPOSE_PATH = DOCKER_DIR / "compose.yaml"
 README_PATH = DOCKER_DIR / "README.md"
 IMAGES = ("server", "collector", "trainer")
-EXTRAS = {"server": {"plugin"}, "collector": {"collector"}, "trainer": {"trainer", "client"}}
+EXTRAS = {"server": {"plugin"}, "collector": {"collector", "s3"}, "trainer": {"trainer", "client", "s3"}}
 TEST_ENV = {"EAGLE_TAP_TOKEN": "test-token-0123456789", "MODEL_PATH": "/models/target"}
 NEVER_SENT = (".venv/bin/python", "runs/r1/manifest.sqlite", ".git/HEAD", "eagle_tap/__pycache__/cli.cpython-311.pyc",
               "eagle_tap.egg-info/PKG-INFO", ".pytest_cache/v/cache/nodeids", "bench-out/x.json", "tests/conftest.py")
@@ -413,6 +414,7 @@ def test_collector_command_and_environment_load_in_its_settings(monkeypatch: pyt
 
     environment = compose()["services"]["collector"]["environment"]
     defined = {f"EAGLE_TAP_COLLECTOR_{field.upper()}" for field in CollectorSettings.model_fields}
+    defined |= set(OBJECT_STORE_VARIABLES)  # read by the uploads' S3 client, not by CollectorSettings
     assert set(environment) <= defined, f"the collector has no settings {sorted(set(environment) - defined)}"
     overrides = _settings_overrides(parse_eagle_tap(collector_arguments(), "compose collector"))
     with pytest.raises(ValueError, match="not loopback and no token"):
@@ -421,6 +423,26 @@ def test_collector_command_and_environment_load_in_its_settings(monkeypatch: pyt
         monkeypatch.setenv(name, value)
     settings = CollectorSettings(**overrides)
     assert settings.token.get_secret_value() == TEST_ENV["EAGLE_TAP_TOKEN"] and settings.host == "0.0.0.0"
+    assert settings.upload_to is None and settings.keep_local is False  # shards stay on the volume by default
+
+
+def test_collector_and_trainer_point_at_a_bucket_through_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from collector_service.cli import _settings_overrides
+    from collector_service.settings import CollectorSettings
+
+    bucket = {"EAGLE_TAP_UPLOAD_TO": "s3://captures-bucket/dsv3", "EAGLE_TAP_S3_ENDPOINT_URL": "http://minio:9000",
+              "AWS_ACCESS_KEY_ID": "key", "AWS_SECRET_ACCESS_KEY": "secret", "EAGLE_TAP_KEEP_LOCAL": "true"}
+    services = compose({**TEST_ENV, **bucket})["services"]
+    for name, value in services["collector"]["environment"].items():
+        monkeypatch.setenv(name, value)
+    settings = CollectorSettings(**_settings_overrides(parse_eagle_tap(collector_arguments(), "compose collector")))
+    assert settings.upload_to == "s3://captures-bucket/dsv3" and settings.keep_local is True
+    for service in ("collector", "trainer"):
+        environment = services[service]["environment"]
+        assert {name: environment[name] for name in bucket if name.startswith(("AWS_", "EAGLE_TAP_S3"))} == {
+            name: value for name, value in bucket.items() if name.startswith(("AWS_", "EAGLE_TAP_S3"))}
+        defined = {f"EAGLE_TAP_COLLECTOR_{field.upper()}" for field in CollectorSettings.model_fields}
+        assert set(environment) - {"EAGLE_TAP_TOKEN"} <= defined | set(OBJECT_STORE_VARIABLES)
 
 
 def test_gpu_server_command_is_valid_sglang_and_serves_no_draft() -> None:

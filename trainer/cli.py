@@ -126,7 +126,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     vocab.add_argument("--draft-vocab-size", type=int, required=True, help="N: tokens the draft predicts")
     vocab.add_argument("--out", required=True, help="directory to write the mapping into")
     source = vocab.add_mutually_exclusive_group(required=True)
-    source.add_argument("--shards", help="capture shard directory: count loss-masked tokens of every record")
+    source.add_argument("--shards", help="capture shard folder or s3://bucket/prefix: count loss-masked tokens of every record")
     source.add_argument("--frequencies", help='JSON file {"token_id": count, ...}')
     vocab.add_argument("--if-fewer", choices=("error", "shrink", "fill"), default="error",
                        help="fewer distinct tokens than N: fail (default), shrink N, or fill with unobserved ids")
@@ -157,7 +157,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     evaluation.add_argument("--run", "--checkpoint", dest="checkpoint", required=True,
                             help="a training run's out_dir (or its final/ folder); --checkpoint is the old name")
-    evaluation.add_argument("--shards", required=True, help="held-out capture shard directory")
+    evaluation.add_argument("--shards", required=True, help="held-out capture shard folder or s3://bucket/prefix")
     evaluation.add_argument("--out", help="directory for eval.json and acceptance.png (default: <run>/eval)")
     evaluation.add_argument("--max-records", type=int, help="evaluate at most about this many records")
     evaluation.add_argument("--batch-size", type=int, default=8, help="records per batch")

@@ -41,6 +41,11 @@ batches g with g % W == w, so the loader yields them in order. The dataset's who
 number of batches consumed: resuming from it yields exactly the batches an uninterrupted run
 would have. A record whose checksums fail is reported and left out of its batch.
 
+Shards may sit in an object store (`shards = "s3://bucket/prefix"`, capture_format/remote_shards.py):
+then each record is fetched alone (a rank fetches only its own) into a bounded local cache, and the
+records of the next batch are fetched while the current one is used, so the store's latency hides
+behind the training step.
+
 Shape legend: B rows, S positions per row, K capture layers, H hidden size.
 """
 
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,8 +63,12 @@ import numpy as np
 import torch
 
 import capture_format as cf
+from capture_format.remote_shards import RemoteShardDirectory
 
 log = logging.getLogger(__name__)
+
+Shards = cf.ShardDirectory | RemoteShardDirectory
+"""A local folder or an object-store prefix of sealed shards, read alike."""
 
 
 
@@ -80,6 +90,16 @@ class Config:
     """Seed of the shuffle."""
     num_workers: int = 0
     """DataLoader worker processes per rank (0: read in the training process)."""
+    cache_dir: str | None = None
+    """Shards in an object store (s3://...): local folder of fetched records (None: EAGLE_TAP_CACHE_DIR or
+    ~/.cache/eagle-tap/records). Ranks and workers of one machine may share it."""
+    cache_max_bytes: int | None = None
+    """Bytes the record cache may hold (None: EAGLE_TAP_CACHE_MAX_BYTES or 8 GiB); least recently used go first."""
+
+    def open_shards(self, skip_damaged: bool = True) -> Shards:
+        """The shards this config names, local or remote, with its record cache."""
+        cache = cf.RecordCache(self.cache_dir, self.cache_max_bytes) if cf.is_remote(self.shards) else None
+        return cf.open_shard_directory(self.shards, skip_damaged=skip_damaged, cache=cache)
 
 
 def shift_record(record: cf.CaptureRecord, max_length: int) -> dict[str, np.ndarray]:
@@ -187,21 +207,25 @@ def collate(
     }
 
 
-def open_shards(shards: str | Path) -> cf.ShardDirectory:
-    """The readable shards of a directory; damaged ones are skipped, named and counted in a warning."""
-    directory = cf.ShardDirectory(shards, skip_damaged=True)
+def open_shards(shards: str | Path | Config) -> Shards:
+    """The readable shards of a folder or an s3:// prefix; damaged ones are skipped, named and counted in a warning."""
+    config = shards if isinstance(shards, Config) else Config(shards=str(shards))
+    directory = config.open_shards()
     if directory.damaged:
         log.warning("skipping %d damaged shard(s) of %s (`eagle-tap shards repair` rebuilds an index): %s",
-                    len(directory.damaged), shards, "; ".join(damaged.reason for damaged in directory.damaged))
+                    len(directory.damaged), config.shards, "; ".join(damaged.reason for damaged in directory.damaged))
+    if directory.open_shard_paths and cf.is_remote(config.shards):
+        log.warning("%d shard(s) of %s have no index in the store yet (an upload under way) and are not read",
+                    len(directory.open_shard_paths), config.shards)
     return directory
 
 
-def require_records(shards: str | Path) -> list[cf.IndexEntry]:
-    """Every readable index entry of a shard directory; ValueError (ShardError) if it is missing or holds none."""
+def require_records(shards: str | Path | Config) -> list[cf.IndexEntry]:
+    """Every readable index entry of a shard folder or prefix; ValueError (ShardError) if it is missing or holds none."""
     with open_shards(shards) as directory:
         entries = list(directory.iter_index())
     if not entries:
-        raise ValueError(f"{shards} holds no sealed shard with records")
+        raise ValueError(f"{shards.shards if isinstance(shards, Config) else shards} holds no sealed shard with records")
     return entries
 
 
@@ -231,7 +255,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
         self.start_batch = start_batch
         self.num_epochs = num_epochs
         self.equal_per_rank = equal_per_rank
-        self.entries = require_records(config.shards)
+        self.entries = require_records(config)
         expected = {"capture_layers": None if capture_layers is None else tuple(capture_layers),
                     "hidden_size": hidden_size, "model_fingerprint": model_fingerprint, "dtype": None}
         for name, value in expected.items():
@@ -264,12 +288,23 @@ class ShardDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         worker = torch.utils.data.get_worker_info()
         worker_id, num_workers = (0, 1) if worker is None else (worker.id, worker.num_workers)
-        with cf.ShardDirectory(self.config.shards, skip_damaged=True) as shards:  # warned about when built
-            for number, epoch, rows in self.batch_indices():
-                if number % num_workers == worker_id:
-                    yield self._read_batch(shards, number, epoch, rows)
+        mine = ((number, epoch, rows) for number, epoch, rows in self.batch_indices() if number % num_workers == worker_id)
+        # From an object store, the next batch's records are fetched while this one is read and trained on.
+        with self.config.open_shards() as shards, ThreadPoolExecutor(1, thread_name_prefix="prefetch") as fetcher:
+            current = next(mine, None)
+            fetched = fetcher.submit(shards.prefetch, self._entries_of(current)) if current else None
+            while current is not None:
+                upcoming = next(mine, None)
+                fetched.result()
+                if upcoming is not None:
+                    fetched = fetcher.submit(shards.prefetch, self._entries_of(upcoming))
+                yield self._read_batch(shards, *current)
+                current = upcoming
 
-    def _read_batch(self, shards: cf.ShardDirectory, number: int, epoch: int, rows: list[list[int]]) -> dict[str, Any]:
+    def _entries_of(self, batch: tuple[int, int, list[list[int]]]) -> list[cf.IndexEntry]:
+        return [self.entries[index] for row in batch[2] for index in row]
+
+    def _read_batch(self, shards: Shards, number: int, epoch: int, rows: list[list[int]]) -> dict[str, Any]:
         shifted_rows, record_ids, skipped = [], [], []
         for row in rows:
             shifted_rows.append([])

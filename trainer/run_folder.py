@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from capture_format import ShardDirectory
+from capture_format import is_remote, open_shard_directory
 
 __all__ = ["TRAINING_RECORDS_NAME", "check_held_out", "keep_inputs", "resolve_checkpoint", "run_inputs"]
 
@@ -40,7 +40,7 @@ def keep_inputs(out_dir: Path, *, draft_config: str, vocab: str, training_shards
     """Copies the draft config and vocab mapping into out_dir and lists the training records there."""
     shutil.copyfile(draft_config, out_dir / DRAFT_CONFIG_NAME)
     shutil.copytree(vocab, out_dir / VOCAB_DIR_NAME, dirs_exist_ok=True)
-    with ShardDirectory(training_shards) as shards:
+    with open_shard_directory(training_shards) as shards:
         entries = list(shards.iter_index())
     records = {"record_ids": [entry.record_id for entry in entries],
                "ids_xxh3_64": [entry.ids_xxh3_64 for entry in entries]}
@@ -63,10 +63,10 @@ def _training_records(run_dir: Path, run_config: dict[str, Any]) -> tuple[list[s
         records = json.loads(listed.read_text(encoding="utf-8"))
         return records["record_ids"], records["ids_xxh3_64"], str(listed)
     shards = run_config["data"]["shards"]
-    if not Path(shards).is_dir():
+    if not is_remote(shards) and not Path(shards).is_dir():
         raise ValueError(f"{run_dir} has no {TRAINING_RECORDS_NAME} and its training shards {shards} are gone: "
                          "eval cannot tell held-out records from training ones")
-    with ShardDirectory(shards) as directory:
+    with open_shard_directory(shards) as directory:
         entries = list(directory.iter_index())
     return [entry.record_id for entry in entries], [entry.ids_xxh3_64 for entry in entries], shards
 
@@ -75,7 +75,7 @@ def check_held_out(eval_shards: str | Path, run_dir: Path, run_config: dict[str,
     """Refuse eval records the run trained on (same record id or same token ids); return the rule applied."""
     record_ids, digests, source = _training_records(run_dir, run_config)
     trained_ids, trained_sequences = set(record_ids), set(digests)
-    with ShardDirectory(eval_shards) as shards:
+    with open_shard_directory(eval_shards) as shards:
         overlap = [entry.record_id for entry in shards.iter_index()
                    if entry.record_id in trained_ids or entry.ids_xxh3_64 in trained_sequences]
     if overlap:

@@ -287,7 +287,8 @@ def evaluate(run: Run, shards: str) -> dict[str, Any]:
     """Per-TTT-step accuracy over (up to eval_max_batches batches of) a held-out shard directory."""
     config, runtime = run.config, run.runtime
     eval_data = DataConfig(shards=shards, batch_size=config.data.batch_size, max_length=config.data.max_length,
-                            packing=config.data.packing, shuffle=False)
+                           packing=config.data.packing, shuffle=False, cache_dir=config.data.cache_dir,
+                           cache_max_bytes=config.data.cache_max_bytes)
     dataset = data.ShardDataset(eval_data, rank=runtime.rank, world_size=runtime.world_size, num_epochs=1,
                                 equal_per_rank=False, **run.expected)
     num_steps = config.objective.ttt_steps

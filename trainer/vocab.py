@@ -19,7 +19,6 @@ client's format, reusable with --frequencies), coverage.png.
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -74,13 +73,12 @@ def count_shard_tokens(
 
     Reads only ids and spans (capture_format.token_ids). A corrupt record is reported and skipped.
     """
-    from capture_format import CaptureFormatError, ShardDirectory
-    from capture_format.token_ids import read_token_ids
+    from capture_format import CaptureFormatError, open_shard_directory
 
     counts = np.zeros(vocab_size, dtype=np.int64)
     problems: list[str] = []
     num_records = 0
-    with ShardDirectory(shard_dir, skip_damaged=True) as shards:
+    with open_shard_directory(shard_dir, skip_damaged=True) as shards:
         for damaged in shards.damaged:
             warnings.warn(f"skipping a damaged shard (`eagle-tap shards repair` rebuilds its index): {damaged.reason}",
                           stacklevel=2)
@@ -93,25 +91,22 @@ def count_shard_tokens(
                 f"{expected_fingerprint}. Count tokens of captures of this target only"
             )
         for shard in shards.shards:
-            fd = os.open(shard.shard_path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                for entry in shard.entries:
-                    try:
-                        tokens = read_token_ids(entry, fd)
-                    except CaptureFormatError as error:
-                        problems.append(str(error))
-                        warnings.warn(f"skipping a corrupt record: {error}", stacklevel=2)
-                        continue
-                    ids = tokens.token_ids[tokens.loss_mask().astype(bool)]
-                    if ids.size and int(ids.max()) >= vocab_size:
-                        raise ValueError(
-                            f"record {entry.record_id!r} holds token id {int(ids.max())}, outside the target's "
-                            f"vocabulary of {vocab_size}"
-                        )
-                    counts += np.bincount(ids, minlength=vocab_size)
-                    num_records += 1
-            finally:
-                os.close(fd)
+            shards.prefetch(shard.entries)  # from an object store: one shard's records at a time, concurrently
+            for entry in shard.entries:
+                try:
+                    tokens = shards.read_token_ids(entry)
+                except CaptureFormatError as error:
+                    problems.append(str(error))
+                    warnings.warn(f"skipping a corrupt record: {error}", stacklevel=2)
+                    continue
+                ids = tokens.token_ids[tokens.loss_mask().astype(bool)]
+                if ids.size and int(ids.max()) >= vocab_size:
+                    raise ValueError(
+                        f"record {entry.record_id!r} holds token id {int(ids.max())}, outside the target's "
+                        f"vocabulary of {vocab_size}"
+                    )
+                counts += np.bincount(ids, minlength=vocab_size)
+                num_records += 1
     return counts, {"shards": str(shard_dir), "num_records": num_records, "num_skipped_records": len(problems)}
 
 

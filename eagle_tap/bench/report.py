@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, str] = {
     "capture": "eagle_tap.bench.capture",
     "live": "eagle_tap.bench.live",
     "trainer": "eagle_tap.bench.trainer_pipeline",
+    "objstore": "eagle_tap.bench.objstore",
     "served": "eagle_tap.bench.served",
 }
 """Benchmark name (as `--only` takes it) -> module with `Config` and `run(config)`."""
