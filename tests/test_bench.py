@@ -103,7 +103,7 @@ def test_bench_command_rejects_an_unknown_benchmark(capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--only", "codecs,codec"])
     assert exit_info.value.code == 2
-    assert "unknown benchmark 'codec'; available: codecs, collector, capture, trainer" in capsys.readouterr().err
+    assert "unknown benchmark 'codec'; available: codecs, collector, capture, live, trainer" in capsys.readouterr().err
 
 
 def test_codec_acceptance_trains_paired_drafts_per_codec_and_evaluates_them_on_lossless_held_out_shards(

@@ -309,6 +309,9 @@ def report_data_codecs(shards: str) -> dict[str, dict[str, Any]]:
     """The codecs of the training records (lossy ones with the error their encoders measured), logged and returned."""
     from capture_format.shard_codecs import codec_summary, format_codec_summary
 
+    if cf.is_remote(shards):  # the codecs live in frame headers: read only as records are (not all up front)
+        log.info("training data codecs of %s: not listed for an object store", shards)
+        return {}
     with cf.ShardDirectory(shards, skip_damaged=True) as directory:
         tallies, problems = codec_summary(directory)
     for (spec, tally), line in zip(sorted(tallies.items()), format_codec_summary(tallies)):
