@@ -106,8 +106,6 @@ class CaptureAssembler:
         self._partial_ttl_s = partial_ttl_s
         self._partials: dict[str, _Partial] = {}
         self._num_generating = 0  # partials in generate mode: decode batches are looked at only while > 0
-        # Requests whose capture was dropped mid-way: their later chunks are ignored, not re-counted.
-        self._abandoned: dict[str, float] = {}
         self._last_sweep = time.monotonic()
 
     @property
@@ -152,8 +150,7 @@ class CaptureAssembler:
             ranges.append((start + first_new, offset))
         if taken:
             self._copy(taken, ranges, aux, final, now, prefill=True)
-        if now - self._last_sweep > 1.0:
-            self._sweep(now)
+        self._maybe_sweep(now)
 
     def on_decode(self, reqs: list, aux: torch.Tensor, final: torch.Tensor) -> None:
         """Take the rows of one DECODE batch: row i is the state of request i's newest token."""
@@ -167,6 +164,7 @@ class CaptureAssembler:
                 ranges.append((row, row + 1))
         if taken:
             self._copy(taken, ranges, aux, final, now, prefill=False)
+        self._maybe_sweep(now)
 
     def on_finished(self, reqs: list) -> None:
         """After the scheduler processed a batch: emit (or drop) the generate captures whose request finished."""
@@ -178,7 +176,6 @@ class CaptureAssembler:
             self._finish_generated(req, partial)
 
     def _start(self, rid: str, tag: CaptureTag, now: float) -> _Partial:
-        self._abandoned.pop(rid, None)
         partial = self._partials[rid] = _Partial(tag=tag, chunks=[], num_rows=0, updated_at=now)
         self._num_generating += tag.mode == "generate"
         self._stats.add("started")
@@ -211,6 +208,10 @@ class CaptureAssembler:
                 self._finish_prefill(req, partial)
 
     def _finish_prefill(self, req, partial: _Partial) -> None:
+        if type(getattr(req, "to_finish", None)).__name__ == "FINISH_ABORT":  # rejected (e.g. too long): its ids
+            partial.release()                                                 # were replaced by a placeholder
+            self._stats.drop("aborted")
+            return
         token_ids = list(req.full_untruncated_fill_ids)
         spans = partial.tag.loss_spans
         if spans and spans[-1][1] > len(token_ids):
@@ -221,10 +222,15 @@ class CaptureAssembler:
 
     def _finish_generated(self, req, partial: _Partial) -> None:
         """The record of a finished request: prompt + generated tokens, states for all but the last."""
-        reason = type(getattr(req, "finished_reason", None)).__name__
+        finished = getattr(req, "finished_reason", None)
+        reason = type(finished).__name__
         if reason == "FINISH_ABORT":
             partial.release()
             self._stats.drop("aborted")
+            return
+        if getattr(finished, "matched", None) == "NaN happened":  # SGLang's finish on non-finite logits
+            partial.release()
+            self._stats.drop("nan")
             return
         prompt = list(req.origin_input_ids)
         generated = list(req.output_ids if req.finished_len is None else req.output_ids[: req.finished_len])
@@ -261,18 +267,26 @@ class CaptureAssembler:
         self._emit(CapturedSequence(tag=partial.tag, token_ids=token_ids, chunks=partial.chunks,
                                     loss_spans=spans, num_states=num_states, metadata=metadata))
 
+    def on_aborted(self, rid: str) -> None:
+        """A request the scheduler ended outside a batch (aborted while queued, e.g. after a retraction, or
+        rejected): its capture, or the decision waiting for it, goes now rather than at the TTL."""
+        self.selector.take(rid)
+        if rid in self._partials:
+            self._abandon(rid, "aborted", time.monotonic())
+
     def _abandon(self, rid: str, reason: str, now: float) -> None:
+        # Later chunks of the request find neither a partial nor a decision (taken once): ignored, not re-counted.
         partial = self._remove(rid)
         if partial is not None:
             partial.release()
-        self._abandoned[rid] = now
         self._stats.drop(reason)
+
+    def _maybe_sweep(self, now: float) -> None:
+        if now - self._last_sweep > 1.0:
+            self._sweep(now)
 
     def _sweep(self, now: float) -> None:
         self._last_sweep = now
         for rid, partial in list(self._partials.items()):
             if now - partial.updated_at > self._partial_ttl_s:
                 self._abandon(rid, "expired", now)
-        for rid, abandoned_at in list(self._abandoned.items()):
-            if now - abandoned_at > self._partial_ttl_s:
-                del self._abandoned[rid]

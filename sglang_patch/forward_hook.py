@@ -98,9 +98,12 @@ class CaptureHook:
         return None
 
     def on_request(self, scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> None:
-        """BEFORE `Scheduler.handle_generate_request`: decide whether this request is captured."""
-        if self._disabled:
-            return None
+        """BEFORE `Scheduler.handle_generate_request`: decide whether this request is captured.
+
+        Runs on every rank, capturing or not, even where capture is disabled: each tensor-parallel rank
+        schedules its own copy of the request with its own radix cache, and SGLang needs them all to
+        decide alike, so the cache salt must depend on the settings and the request only, never on
+        this process's role (`Selector.keep_decisions` is what differs)."""
         try:
             self.selector.on_request(recv_req)
         except Exception:
@@ -123,8 +126,21 @@ class CaptureHook:
                 logger.exception("eagle-tap finish hook failed (serving is unaffected; further errors only counted)")
         return None
 
+    def on_abort_output(self, result: Any, scheduler: Any, abort_req: Any = None, req: Any = None,
+                        *args: Any, **kwargs: Any) -> None:
+        """AFTER `Scheduler.send_abort_output`: a request ended outside a batch (aborted while queued,
+        retracted and aborted, rejected) frees its capture now."""
+        if self._disabled or self._assembler is None or req is None:
+            return None
+        try:
+            self._assembler.on_aborted(req.rid)
+        except Exception:
+            self.stats.add("hook_errors")
+        return None
+
     def _disable(self, why: str) -> None:
         self._disabled = True
+        self.selector.keep_decisions = False
         self.stats.status = f"dormant: {why}"
         try:
             if self._settings.stats_path is None:
@@ -150,6 +166,7 @@ class CaptureHook:
             return
         if _parallel_rank("attn_tp_rank") != 0 or _parallel_rank("attn_cp_rank") != 0:
             self._disabled = True  # another rank of this group ships the same rows
+            self.selector.keep_decisions = False  # (it still salts alike: see on_request)
             return
         hf_config = getattr(worker.model_config, "hf_text_config", None) or worker.model_config.hf_config
         architecture = (getattr(worker.model_config.hf_config, "architectures", None) or ["?"])[0]

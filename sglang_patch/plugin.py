@@ -15,7 +15,8 @@ does nothing. Otherwise, on a tested SGLang version, it registers:
    attention-TP rank 0 (and context-parallel rank 0) ships;
 3. a BEFORE hook on `Scheduler.handle_generate_request`, which decides per request whether it is
    captured before it is scheduled (`selection.py`), and an AFTER hook on
-   `Scheduler.process_batch_result`, which emits generate captures whose request finished.
+   `Scheduler.process_batch_result`, which emits generate captures whose request finished, and one on
+   `Scheduler.send_abort_output`, which frees the capture of a request ended outside a batch.
 
 Nothing here raises into SGLang: every failure is logged, counted and turns capture off, never serving.
 """
@@ -41,6 +42,7 @@ logger = logging.getLogger("eagle_tap.plugin")
 FORWARD_TARGET = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
 REQUEST_TARGET = "sglang.srt.managers.scheduler.Scheduler.handle_generate_request"
 PROCESSED_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+ABORT_TARGET = "sglang.srt.managers.scheduler.Scheduler.send_abort_output"
 RESOLUTION_STEP = "handle_return_hidden_states_mode"
 
 _registered = False
@@ -73,6 +75,7 @@ def register() -> None:
         HookRegistry.register(FORWARD_TARGET, hook, HookType.AFTER)
         HookRegistry.register(REQUEST_TARGET, hook.on_request, HookType.BEFORE)
         HookRegistry.register(PROCESSED_TARGET, hook.on_batch_processed, HookType.AFTER)
+        HookRegistry.register(ABORT_TARGET, hook.on_abort_output, HookType.AFTER)
         logger.info("eagle-tap capture plugin registered; collector %s", settings.collector_url)
     except Exception:
         logger.exception("eagle-tap capture disabled: the plugin failed to register; serving is unaffected")

@@ -12,8 +12,9 @@ are not selected keep their cache hits. Two kinds of request are selected:
   which rate; it holds no text.
 
 What must hold:
-- the decision for a request is made once, here, and is deterministic in its id (a re-sent request
-  is sampled the same way);
+- the decision for a request is made once, here, and depends only on the settings and the request
+  (deterministic in its id: a re-sent request is sampled the same way), so every tensor-parallel
+  rank salts it alike and schedules it alike;
 - a request that is not selected costs a dict lookup and a hash; nothing about it is kept;
 - the decisions waiting for their request's first forward are bounded (`MAX_WAITING`, then the
   oldest are dropped and counted) and expire after the partial TTL (a request aborted while queued).
@@ -62,6 +63,9 @@ class Selector:
         self._live_sample_rate = live_sample_rate
         self._ttl_s = ttl_s
         self._waiting: collections.OrderedDict[str, tuple[CaptureTag, float]] = collections.OrderedDict()
+        self.keep_decisions = True
+        """False in a process that does not capture (another rank ships, or capture is off): requests are
+        still salted alike on every rank, but no decision waits for a forward that will not take it."""
 
     def on_request(self, recv_req: Any) -> None:
         """BEFORE hook body: decide for a `TokenizedGenerateReqInput`; a selected one gets its own cache salt."""
@@ -76,6 +80,9 @@ class Selector:
         # Its own radix-cache namespace: the prefill computes (and the plugin captures) every prompt row.
         salt = getattr(recv_req, "cache_salt", None)
         recv_req.cache_salt = f"{salt}|eagle-tap:{rid}" if salt else f"eagle-tap:{rid}"
+        if not self.keep_decisions:
+            self._waiting.clear()
+            return
         now = time.monotonic()
         self._waiting[rid] = (tag, now)
         self._waiting.move_to_end(rid)

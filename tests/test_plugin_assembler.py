@@ -309,3 +309,26 @@ def test_live_record_ids_are_valid_for_any_request_id():
     assert live_record_id("0a1b") == "live-0a1b"
     unsafe = live_record_id("../x y" * 40)
     assert unsafe.startswith("live-") and len(unsafe) == 5 + 16
+
+
+def test_a_request_ended_outside_a_batch_frees_its_capture_and_a_nan_finish_is_not_stored(assembler):
+    asm, emitted, stats = assembler
+    queued, nan = GeneratingReq(1, 3), GeneratingReq(2, 3)
+    asm.on_extend(*batch([(queued, 1, 0, 3), (nan, 2, 0, 3)]))
+    sample(asm, [queued, nan])
+    asm.on_aborted("rid-1")  # e.g. retracted, then aborted while waiting to be prefilled again
+    nan.output_ids.append(1)
+    nan.finished_reason = SimpleNamespace(matched="NaN happened")
+    asm.on_finished([nan])
+    assert emitted == [] and stats.snapshot()["dropped"] == {"aborted": 1, "nan": 1} and asm.num_partials == 0
+
+
+def test_every_rank_salts_alike_but_only_the_capturing_one_keeps_decisions():
+    capturing, other = (Selector(stats=CaptureStats(), sample_rate=1.0, live_sample_rate=1.0) for _ in range(2))
+    other.keep_decisions = False  # another rank ships the rows
+    for selector in (capturing, other):
+        request = SimpleNamespace(rid="r1", sampling_params=SimpleNamespace(custom_params=None), cache_salt=None,
+                                  input_embeds=None, mm_inputs=None)
+        selector.on_request(request)
+        assert request.cache_salt == "eagle-tap:r1"
+    assert capturing.num_waiting == 1 and other.num_waiting == 0

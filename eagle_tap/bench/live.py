@@ -220,7 +220,7 @@ def live_sampling(config: Config, work: Path, chat) -> dict[str, Any]:
         for server in servers.values():
             server.start()
         for name, server in servers.items():  # warm-up: one request per system prompt
-            _parallel(lambda item: _generate(server, item[1], 4, salt=False),
+            _parallel(lambda item: _generate(server, item[1], 4, rid=item[0], salt=False),
                       live_workload(chat, config, 999, f"warm{name}")[:4], config.concurrency)
         wait_stored(collector, sum(is_sampled(f"live999xwarm{name}x{i:04d}", rate)
                                    for name, rate in rates.items() for i in range(4)))
