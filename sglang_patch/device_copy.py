@@ -22,6 +22,14 @@ runs on one stream. With CUDA graphs (`decode_cuda_graph_runner.py`, for extend
 (`runner_utils/buffers.py`) that the next replay overwrites, on that same stream. Step 1 is queued on the current stream inside the hook, so it
 runs after the forward that wrote the rows and before any replay or forward that could overwrite them.
 
+Decode steps (generate captures) copy one row per captured request per forward, so their slabs are
+small (buffers are sized in 64 KiB granules, and a free buffer more than twice the size asked is not
+lent for them). A slab is shared by the requests of its forward and goes back when the last of them
+is sent: a long generation beside many short ones keeps its steps' slabs, short rows included. The
+pool bounds that; past it captures are dropped and counted. Giving each generate capture its own
+device-side block of rows (one scatter per step, one copy per block) would remove the sharing; not
+done yet.
+
 What must hold:
 - the pool never holds more than `capacity_bytes`; `try_acquire` never blocks on the device;
 - a slab goes back to the pool only when every `HostRows` cut from it was released, and nothing reads
@@ -63,7 +71,7 @@ class HostBufferPool:
     """Host buffers reused across forwards (pinned on CUDA: allocating pinned memory takes milliseconds)."""
 
     def __init__(self, capacity_bytes: int, allocate: Callable[[int], torch.Tensor],
-                 granule_bytes: int = 1 << 20) -> None:
+                 granule_bytes: int = 64 << 10) -> None:
         self.capacity_bytes = capacity_bytes
         self._allocate = allocate
         self._granule_bytes = granule_bytes
@@ -76,7 +84,10 @@ class HostBufferPool:
     def try_acquire(self, nbytes: int, num_holders: int) -> SlabLease | None:
         """A lease on a buffer of at least nbytes, or None when the pool is full (the caller drops)."""
         with self._lock:
-            fitting = [buffer for buffer in self._free if buffer.numel() >= nbytes]
+            # A free buffer is reused only if it is not much larger than asked: a decode step's few rows
+            # must not pin a prefill-sized buffer for as long as the generation lasts.
+            largest = max(2 * nbytes, self._granule_bytes)
+            fitting = [buffer for buffer in self._free if nbytes <= buffer.numel() <= largest]
             if fitting:
                 buffer = min(fitting, key=torch.Tensor.numel)
                 self._free.remove(buffer)

@@ -42,6 +42,16 @@ def test_the_pool_reuses_buffers_and_never_exceeds_its_capacity() -> None:
     assert pool.try_acquire(9 * KiB, num_holders=1) is None
 
 
+def test_a_few_rows_never_pin_a_much_larger_free_buffer() -> None:
+    allocate = CountingAllocator()
+    pool = HostBufferPool(64 * KiB, allocate, granule_bytes=KiB)
+    prefill = pool.try_acquire(40 * KiB, num_holders=1)
+    prefill.release_one()
+    decode = pool.try_acquire(500, num_holders=1)  # one decode step's rows, while a 40 KiB buffer is free
+    assert decode.buffer.numel() == KiB and allocate.sizes == [40 * KiB, KiB]
+    assert pool.try_acquire(30 * KiB, num_holders=1).buffer is prefill.buffer  # what the large one is for
+
+
 def test_a_slab_goes_back_only_when_every_request_cut_from_it_is_released() -> None:
     pool = HostBufferPool(64 * KiB, CountingAllocator(), granule_bytes=KiB)
     lease = pool.try_acquire(1000, num_holders=3)
