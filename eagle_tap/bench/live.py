@@ -235,6 +235,7 @@ def live_sampling(config: Config, work: Path, chat) -> dict[str, Any]:
                                                            salt=False), workload, config.concurrency)
                 row[f"{name}_s"] = time.perf_counter() - started
                 row[f"{name}_cpu_s"] = tree_cpu_s(server.pid) - cpu
+                row[f"{name}_tokens"] = sum(len(answer["output_ids"]) for answer in answers)
                 if name in rates:
                     for (rid, ids), answer in zip(workload, answers):
                         if is_sampled(rid, rates[name]):
@@ -242,8 +243,8 @@ def live_sampling(config: Config, work: Path, chat) -> dict[str, Any]:
                             sampled_by[name].append(f"live-{rid}")
                     stored += sum(is_sampled(rid, rates[name]) for rid, _ in workload)
                     wait_stored(collector, stored)
-            for name in rates:
-                row[f"{name}_ratio"] = row["absent_s"] / row[f"{name}_s"]
+            for name in rates:  # generated tokens per second (greedy answers may differ a little in length)
+                row[f"{name}_ratio"] = (row[f"{name}_tokens"] / row[f"{name}_s"]) / (row["absent_tokens"] / row["absent_s"])
             rows.append(row)
         collector_stats = collector.stats()
     finally:
