@@ -74,7 +74,8 @@ class Selector:
             return
         tag = self.choose(rid, getattr(recv_req.sampling_params, "custom_params", None),
                           token_ids_only=getattr(recv_req, "input_embeds", None) is None
-                          and getattr(recv_req, "mm_inputs", None) is None)
+                          and getattr(recv_req, "mm_inputs", None) is None,
+                          num_samples=getattr(recv_req.sampling_params, "n", 1) or 1)
         if tag is None:
             return
         # Its own radix-cache namespace: the prefill computes (and the plugin captures) every prompt row.
@@ -91,12 +92,17 @@ class Selector:
             self._stats.drop("selection_overflow")
         self._expire(now)
 
-    def choose(self, rid: str, custom_params: object, *, token_ids_only: bool = True) -> CaptureTag | None:
+    def choose(self, rid: str, custom_params: object, *, token_ids_only: bool = True,
+               num_samples: int = 1) -> CaptureTag | None:
         """The capture tag of a request, or None when it is not captured (counted by why where it matters)."""
         try:
             tag = CaptureTag.from_custom_params(custom_params)
         except ValueError:
             self._stats.drop("invalid_tag")
+            return None
+        if tag is not None and tag.mode == "generate" and num_samples > 1:
+            # n samples of one request would share the tag's record id: all but one would be lost.
+            self._stats.drop("generate_tag_with_n_samples")
             return None
         if tag is not None:
             if not is_sampled(tag.record_id, self._sample_rate):

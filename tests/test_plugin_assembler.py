@@ -332,3 +332,14 @@ def test_every_rank_salts_alike_but_only_the_capturing_one_keeps_decisions():
         selector.on_request(request)
         assert request.cache_salt == "eagle-tap:r1"
     assert capturing.num_waiting == 1 and other.num_waiting == 0
+
+
+def test_a_generate_tag_on_a_request_of_several_samples_is_refused_and_counted():
+    stats = CaptureStats()
+    selector = Selector(stats=stats, sample_rate=1.0, live_sample_rate=0.0)
+    tag = CaptureTag(record_id="multi", sample_id="s", loss_spans=(), mode="generate")
+    request = SimpleNamespace(rid="r-multi", sampling_params=SimpleNamespace(custom_params=tag.to_custom_params(), n=4),
+                              cache_salt=None, input_embeds=None, mm_inputs=None)
+    selector.on_request(request)
+    assert request.cache_salt is None and selector.take("r-multi") is None
+    assert stats.snapshot()["dropped"] == {"generate_tag_with_n_samples": 1}
