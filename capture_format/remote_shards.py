@@ -18,7 +18,7 @@ a RecordCache; a cached copy that fails its checks is dropped and fetched again 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import PurePosixPath
 from types import TracebackType
 from typing import Any, TypeVar
@@ -35,7 +35,7 @@ from capture_format.shard_index import (
     parse_shard_file_name,
     shard_stem,
 )
-from capture_format.shard_reader import DamagedShard, VerifyReport, check_record_bytes
+from capture_format.shard_reader import DamagedShard, IndexedShards, VerifyReport, check_record_bytes
 from capture_format.token_ids import RecordTokens, read_token_ids_from_frame
 
 __all__ = ["RemoteShardDirectory", "list_objects"]
@@ -59,7 +59,7 @@ def list_objects(fs: Any, location: ObjectLocation) -> dict[str, int]:
     return objects
 
 
-class RemoteShardDirectory:
+class RemoteShardDirectory(IndexedShards):
     """The sealed shards under an s3:// prefix and their indexes, loaded when it is opened."""
 
     def __init__(self, url: str, *, skip_damaged: bool = False, cache: RecordCache | None = None) -> None:
@@ -132,19 +132,6 @@ class RemoteShardDirectory:
             raise ShardError(f"{self.location.url_of(name)} is {object_nbytes} bytes; its index says "
                              f"{index.shard_nbytes} (a partial or foreign object: the collector puts it again)")
         return index
-
-    @property
-    def num_records(self) -> int:
-        return sum(shard.num_records for shard in self.shards)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(shard.num_tokens for shard in self.shards)
-
-    def iter_index(self) -> Iterator[IndexEntry]:
-        """Every index entry, shard by shard in name order, records in file order."""
-        for shard in self.shards:
-            yield from shard.entries
 
     def url_of(self, entry: IndexEntry) -> str:
         return f"s3://{entry.shard_path}"

@@ -86,7 +86,26 @@ class DamagedShard:
     reason: str
 
 
-class ShardDirectory:
+class IndexedShards:
+    """What every reader of a set of sealed shards offers from their indexes alone (`shards` is set by it)."""
+
+    shards: tuple[ShardIndex, ...]
+
+    @property
+    def num_records(self) -> int:
+        return sum(shard.num_records for shard in self.shards)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(shard.num_tokens for shard in self.shards)
+
+    def iter_index(self) -> Iterator[IndexEntry]:
+        """Every index entry, shard by shard in name order, records in file order."""
+        for shard in self.shards:
+            yield from shard.entries
+
+
+class ShardDirectory(IndexedShards):
     """The sealed shards of a directory and their indexes, loaded when it is opened."""
 
     def __init__(self, path: Path | str, *, skip_damaged: bool = False) -> None:
@@ -116,19 +135,6 @@ class ShardDirectory:
         self.open_shard_paths: tuple[Path, ...] = tuple(shard for _, shard in files.open)
         """Shards still being written (or awaiting recovery): not readable through an index."""
         self._fds: dict[Path, int] = {}
-
-    @property
-    def num_records(self) -> int:
-        return sum(shard.num_records for shard in self.shards)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(shard.num_tokens for shard in self.shards)
-
-    def iter_index(self) -> Iterator[IndexEntry]:
-        """Every index entry, shard by shard in name order, records in file order."""
-        for shard in self.shards:
-            yield from shard.entries
 
     def read_record(self, entry: IndexEntry) -> CaptureRecord:
         """Reads and fully verifies the record at entry (see the module docstring)."""
