@@ -121,7 +121,8 @@ def test_live_sampling_captures_exactly_the_sampled_chat_requests_and_respects_o
     assert sampled, "the rate should select some of these request ids"
     for rid in sampled:
         record = stored_record(collector, f"live-{rid}")
-        assert record.metadata == {"source": "live", "live_sample_rate": LIVE_RATE}
+        finish = answers[rid]["choices"][0]["finish_reason"]  # "stop" or "length", as the client was told
+        assert record.metadata == {"source": "live", "live_sample_rate": LIVE_RATE, "finish_reason": finish}
         text = tokenizer.decode(record.token_ids.tolist())
         assert SYSTEM_PROMPT in text and f"Question {rid}" in text  # complete context despite the cache
         answer = answers[rid]["choices"][0]["message"]["content"]

@@ -183,6 +183,11 @@ def test_sigkill_mid_upload_then_restart_uploads_everything_once(s3: S3Server, t
     fs = s3_filesystem()
     wait_for(lambda: any(path.endswith(".index.json") for path in fs.ls("killed/p", refresh=True)),
              "the first upload", timeout_s=60)
+    for index in range(60, 80):  # more shards sealed behind the uploads under way, so some are surely pending
+        response = collector.client.post("/v1/records", headers=OCTET_STREAM,
+                                         content=make_frame(f"k-{index:02d}", num_tokens=24, hidden_size=128))
+        assert response.status_code == 201
+        acknowledged.append(f"k-{index:02d}")
     collector.kill()  # SIGKILL while the uploader works through the sealed shards
     uploaded_before = record_ids_in(url)
     assert uploaded_before and pending_uploads(data_dir), "the kill missed the uploads"

@@ -139,7 +139,14 @@ def test_a_run_folder_config_written_by_earlier_versions_still_loads() -> None:
         '"bf16_autocast": true, "num_threads": 1, "progress_bar": false, "log_record_ids": false}')
     config = config_from_dict(Config, written)
     assert config.optimizer.betas == (0.9, 0.95) and config.data.max_length == 256 and config.num_threads == 1
-    assert config_to_dict(config) == written
+    # Every setting it wrote reads back the same; settings added since (e.g. the object-store cache) take defaults.
+    loaded = config_to_dict(config)
+    for section, values in written.items():
+        if isinstance(values, dict):
+            assert {key: loaded[section][key] for key in values} == values, section
+        else:
+            assert loaded[section] == values, section
+    assert loaded["data"]["cache_dir"] is None
 
 
 def test_the_learning_rate_warms_up_from_the_first_step_and_ends_at_the_floor() -> None:
