@@ -32,11 +32,10 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from capture_format.tag import CaptureTag
-from sglang_patch.device_copy import HostCopier, HostRows, RowCopier
+from sglang_patch.device_copy import HostCopier, HostRows, RowCopier, host_cat
 from sglang_patch.selection import Selector, is_sampled
 from sglang_patch.stats import CaptureStats
 
@@ -65,32 +64,18 @@ class CapturedSequence:
         """(aux (S, K*H), final (S, H)) on CPU, once every chunk's copy has landed. Views of the host
         buffers while there is one chunk: read them before `release()`.
 
-        Joined with numpy, not torch.cat: this runs on the sender thread, and a torch op big enough to
-        go parallel starts a second OpenMP team beside the forward's, whose spinning threads take the
-        cores from the forward (measured here: about 0.2 s of serving lost per captured generation)."""
+        Joined by `host_cat`, not torch.cat: this runs on the sender thread, beside the forward."""
         for chunk in self.chunks:
             chunk.wait()
         if len(self.chunks) == 1:
             aux, final = self.chunks[0].aux, self.chunks[0].final
         else:
-            aux, final = _cat_rows([chunk.aux for chunk in self.chunks]), _cat_rows([chunk.final for chunk in self.chunks])
+            aux, final = host_cat([chunk.aux for chunk in self.chunks]), host_cat([chunk.final for chunk in self.chunks])
         return aux[: self.num_states], final[: self.num_states]
 
     def release(self) -> None:
         for chunk in self.chunks:
             chunk.release()
-
-
-_SAME_WIDTH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
-    """torch.cat of CPU row blocks along dim 0, done by numpy on this thread alone (numpy has no bfloat16:
-    the bits travel as same-width integers)."""
-    dtype = parts[0].dtype
-    ints = _SAME_WIDTH_INTS[parts[0].element_size()]
-    joined = np.concatenate([part.contiguous().view(ints).numpy() for part in parts])
-    return torch.from_numpy(joined).view(dtype)
 
 
 # SGLang's finish reasons (schedule_batch.py), as the client's regenerate mode names them.
@@ -225,15 +210,14 @@ class CaptureAssembler:
                 self._finish_prefill(req, partial)
 
     def _finish_prefill(self, req, partial: _Partial) -> None:
-        if type(getattr(req, "to_finish", None)).__name__ == "FINISH_ABORT":  # rejected (e.g. too long): its ids
-            partial.release()                                                 # were replaced by a placeholder
-            self._stats.drop("aborted")
+        # Rejected (e.g. too long): its ids were replaced by a placeholder.
+        if type(getattr(req, "to_finish", None)).__name__ == "FINISH_ABORT":
+            self._discard(partial, "aborted")
             return
         token_ids = list(req.full_untruncated_fill_ids)
         spans = partial.tag.loss_spans
         if spans and spans[-1][1] > len(token_ids):
-            partial.release()
-            self._stats.drop("spans_out_of_range")
+            self._discard(partial, "spans_out_of_range")
             return
         self._send(partial, token_ids, spans, len(token_ids), partial.tag.metadata)
 
@@ -242,31 +226,26 @@ class CaptureAssembler:
         finished = getattr(req, "finished_reason", None)
         reason = type(finished).__name__
         if reason == "FINISH_ABORT":
-            partial.release()
-            self._stats.drop("aborted")
+            self._discard(partial, "aborted")
             return
         if getattr(finished, "matched", None) == "NaN happened":  # SGLang's finish on non-finite logits
-            partial.release()
-            self._stats.drop("nan")
+            self._discard(partial, "nan")
             return
         prompt = list(req.origin_input_ids)
         generated = list(req.output_ids if req.finished_len is None else req.output_ids[: req.finished_len])
         if not generated:
-            partial.release()
-            self._stats.drop("nothing_generated")
+            self._discard(partial, "nothing_generated")
             return
         token_ids = prompt + generated
         num_states = len(token_ids) - 1
         spans = partial.tag.loss_spans
         if spans and spans[-1][1] > len(prompt):
-            partial.release()
-            self._stats.drop("spans_out_of_range")
+            self._discard(partial, "spans_out_of_range")
             return
         # Rows past num_states come from forwards after the finishing one (the overlap scheduler may run
         # one more step before it learns the request is done); fewer mean a step was never captured.
         if partial.num_rows < num_states:
-            partial.release()
-            self._stats.drop("missing_rows")
+            self._discard(partial, "missing_rows")
             return
         if spans and spans[-1][1] == len(prompt):
             spans = (*spans[:-1], (spans[-1][0], len(token_ids)))
@@ -291,12 +270,18 @@ class CaptureAssembler:
         if rid in self._partials:
             self._abandon(rid, "aborted", time.monotonic())
 
+    def _discard(self, partial: _Partial, reason: str) -> None:
+        """Drops a capture already out of the table: its host buffers go back, the reason is counted."""
+        partial.release()
+        self._stats.drop(reason)
+
     def _abandon(self, rid: str, reason: str, now: float) -> None:
         # Later chunks of the request find neither a partial nor a decision (taken once): ignored, not re-counted.
         partial = self._remove(rid)
-        if partial is not None:
-            partial.release()
-        self._stats.drop(reason)
+        if partial is None:
+            self._stats.drop(reason)
+        else:
+            self._discard(partial, reason)
 
     def _maybe_sweep(self, now: float) -> None:
         if now - self._last_sweep > 1.0:

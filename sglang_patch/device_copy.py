@@ -42,10 +42,12 @@ import dataclasses
 import threading
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 __all__ = [
     "CudaRowCopier", "HostBufferPool", "HostCopier", "HostRows", "PooledRowCopier", "RowCopier", "SlabLease", "cut_slab",
+    "host_cat",
 ]
 
 
@@ -155,6 +157,15 @@ def host_copy(rows: torch.Tensor) -> torch.Tensor:
         return rows.to("cpu", copy=True)
     as_ints = rows.contiguous().view(_SAME_WIDTH_INTS[rows.element_size()])  # numpy has no bfloat16
     return torch.from_numpy(as_ints.numpy().copy()).view(rows.dtype)
+
+
+def host_cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat of CPU row blocks along dim 0, done by numpy on the calling thread alone. On a thread beside
+    the forward (the sender) a torch op big enough to go parallel starts a second OpenMP team whose spinning
+    threads take the cores from the forward (measured: about 0.2 s of serving lost per captured generation)."""
+    ints = _SAME_WIDTH_INTS[parts[0].element_size()]  # numpy has no bfloat16
+    joined = np.concatenate([part.contiguous().view(ints).numpy() for part in parts])
+    return torch.from_numpy(joined).view(parts[0].dtype)
 
 
 class HostCopier(RowCopier):

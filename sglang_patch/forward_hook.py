@@ -91,11 +91,15 @@ class CaptureHook:
             self.stats.add("hook_ns", time.perf_counter_ns() - started_ns)
             self.stats.add("hook_cpu_ns", time.thread_time_ns() - started_cpu_ns)  # not counting preemption
         except Exception:
-            self.stats.add("hook_errors")
-            if not self._error_logged:
-                self._error_logged = True
-                logger.exception("eagle-tap capture hook failed (serving is unaffected; further errors only counted)")
+            self._count_error("capture")
         return None
+
+    def _count_error(self, hook: str) -> None:
+        """Inside an `except`: counts the error; the first one of the process is logged with its traceback."""
+        self.stats.add("hook_errors")
+        if not self._error_logged:
+            self._error_logged = True
+            logger.exception("eagle-tap %s hook failed (serving is unaffected; further errors only counted)", hook)
 
     def on_request(self, scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> None:
         """BEFORE `Scheduler.handle_generate_request`: decide whether this request is captured.
@@ -107,10 +111,7 @@ class CaptureHook:
         try:
             self.selector.on_request(recv_req)
         except Exception:
-            self.stats.add("hook_errors")
-            if not self._error_logged:
-                self._error_logged = True
-                logger.exception("eagle-tap request hook failed (serving is unaffected; further errors only counted)")
+            self._count_error("request")
         return None  # the arguments go on unchanged (but for the cache salt of a selected request)
 
     def on_batch_processed(self, result: Any, scheduler: Any, batch: Any = None, *args: Any, **kwargs: Any) -> None:
@@ -120,10 +121,7 @@ class CaptureHook:
         try:
             self._assembler.on_finished(batch.reqs)
         except Exception:
-            self.stats.add("hook_errors")
-            if not self._error_logged:
-                self._error_logged = True
-                logger.exception("eagle-tap finish hook failed (serving is unaffected; further errors only counted)")
+            self._count_error("finish")
         return None
 
     def on_abort_output(self, result: Any, scheduler: Any, abort_req: Any = None, req: Any = None,
@@ -135,7 +133,7 @@ class CaptureHook:
         try:
             self._assembler.on_aborted(req.rid)
         except Exception:
-            self.stats.add("hook_errors")
+            self._count_error("abort")
         return None
 
     def _disable(self, why: str) -> None:

@@ -29,7 +29,8 @@ from typing import Any
 
 import xxhash
 
-from capture_format.records import RECORD_ID_PATTERN, MAX_RECORD_ID_CHARS
+from capture_format.errors import InvalidRecordError
+from capture_format.records import check_record_id
 from capture_format.tag import CaptureTag, opted_out
 from sglang_patch.stats import CaptureStats
 
@@ -47,10 +48,10 @@ def is_sampled(key: str, sample_rate: float) -> bool:
 
 def live_record_id(rid: str) -> str:
     """The record id of a live capture: the request id where it is a valid record id, else its hash."""
-    record_id = f"live-{rid}"
-    if len(record_id) <= MAX_RECORD_ID_CHARS and RECORD_ID_PATTERN.fullmatch(record_id) and ".." not in record_id:
-        return record_id
-    return f"live-{xxhash.xxh3_64_hexdigest(rid.encode('utf-8', 'surrogatepass'))}"
+    try:
+        return check_record_id(f"live-{rid}")
+    except InvalidRecordError:
+        return f"live-{xxhash.xxh3_64_hexdigest(rid.encode('utf-8', 'surrogatepass'))}"
 
 
 class Selector:
