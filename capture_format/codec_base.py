@@ -151,6 +151,18 @@ def check_zstd_content_size(frame: memoryview, expected_nbytes: int, what: str) 
         raise CodecError(f"{what} is a zstd frame declaring {declared}; expected {expected_nbytes}")
 
 
+def read_into(reader, buffer: np.ndarray, wanted: int) -> int:
+    """Fills buffer[:wanted] from a zstd stream reader (readinto may return less than asked); returns how
+    many bytes came, fewer than wanted only where the stream ended."""
+    num_read = 0
+    while num_read < wanted:
+        got = reader.readinto(buffer[num_read:wanted])
+        if got == 0:
+            break
+        num_read += got
+    return num_read
+
+
 def byte_view(data: Buffer) -> np.ndarray:
     """The bytes of data as a 1-D uint8 array, without copying."""
     if isinstance(data, np.ndarray):

@@ -41,6 +41,7 @@ from capture_format.codec_base import (
     TensorLayout,
     check_zstd_content_size,
     entropy_plane_compressor,
+    read_into,
     zstd_compressor,
     zstd_decompressor,
 )
@@ -169,14 +170,11 @@ class Bf16SplitCodec(Codec):
         with zstd_decompressor().stream_reader(stored[high_start : high_start + high_nbytes]) as reader:
             position = 0
             while position < num_values:
-                num_read = 0
                 wanted = min(chunk.size, num_values - position)
-                while num_read < wanted:  # readinto may return less than asked
-                    got = reader.readinto(chunk[num_read:wanted])
-                    if got == 0:
-                        raise CodecError(f"{self.spec} high plane ended after {position + num_read} of "
-                                         f"{num_values} bytes")
-                    num_read += got
+                num_read = read_into(reader, chunk, wanted)
+                if num_read < wanted:
+                    raise CodecError(f"{self.spec} high plane ended after {position + num_read} of "
+                                     f"{num_values} bytes")
                 high = chunk[:num_read]
                 if num_references:
                     by_token = high.reshape(-1, num_references)

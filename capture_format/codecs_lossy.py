@@ -39,6 +39,7 @@ from capture_format.codec_base import (
     ErrorSums,
     TensorLayout,
     check_zstd_content_size,
+    read_into,
     zstd_compressor,
     zstd_decompressor,
 )
@@ -198,13 +199,10 @@ class ScaledByteCodec(Codec):
             for start in range(0, num_rows, chunk_rows):
                 rows = slice(start, min(start + chunk_rows, num_rows))
                 wanted = (rows.stop - rows.start) * row_length
-                num_read = 0
-                while num_read < wanted:  # readinto may return less than asked
-                    got = reader.readinto(codes[num_read:wanted])
-                    if got == 0:
-                        raise CodecError(f"{self.spec} code plane ended after {start * row_length + num_read} of "
-                                         f"{layout.num_values} bytes")
-                    num_read += got
+                num_read = read_into(reader, codes, wanted)
+                if num_read < wanted:
+                    raise CodecError(f"{self.spec} code plane ended after {start * row_length + num_read} of "
+                                     f"{layout.num_values} bytes")
                 chunk_scales = scales[rows, None] if self.per == "row" else scales
                 chunk_codes = codes[:wanted].reshape(-1, row_length)
                 decoded[rows] = _from_float32(self._dequantize(chunk_codes) * chunk_scales, layout.dtype)
