@@ -203,6 +203,11 @@ class _Run:
         self.stats.num_generate_requests += 1
         return await self.endpoints.generate(payload)
 
+    def _metadata(self, conversation: Conversation, turns) -> dict[str, Any]:
+        """What a record says of where it came from (no text)."""
+        return {"source": conversation.source, "line": conversation.line, "mode": self.config.mode,
+                "turns": list(turns)}
+
     def _tag_generation(self, conversation: Conversation, todo: list[PlannedRecord]):
         """One pass: the tag that has the plugin record a turn while it is generated (`build_sequences`)."""
         wanted = {record.record_id for record in todo}
@@ -211,8 +216,7 @@ class _Run:
                 prompt_ids: tuple[int, ...]) -> dict[str, Any] | None:
             if record.record_id not in wanted:
                 return None  # stored by an earlier run: the turn is generated for the history only
-            metadata = {"source": conversation.source, "line": conversation.line, "mode": self.config.mode,
-                        "turns": list(turns), "passes": 1}
+            metadata = {**self._metadata(conversation, turns), "passes": 1}
             self.manifest.mark_sent(record.record_id, sample_key=conversation.key, line=conversation.line,
                                     num_tokens=len(prompt_ids), num_loss_tokens=sum(end - start for start, end in spans))
             self.stats.num_capture_requests += 1
@@ -243,8 +247,7 @@ class _Run:
                 todo = []
             for record in todo:
                 sequence = sequences[record.record_id]
-                metadata = {"source": conversation.source, "line": conversation.line, "mode": self.config.mode,
-                            "turns": list(sequence.turns)}
+                metadata = self._metadata(conversation, sequence.turns)
                 if finish_reasons:  # per span: `stop` ends with the end-of-turn token, `length` was cut
                     metadata["finish_reasons"] = [finish_reasons[turn] for turn in sequence.turns]
                 payload = capture_payload(sequence, record_id=record.record_id, sample_id=conversation.key,
