@@ -47,8 +47,10 @@ from capture_format.records import (
     STATE_DTYPES,
     TOKEN_ID_DTYPE,
     CaptureRecord,
+    StatesPrefix,
     spans_from_mask,
 )
+from capture_format.prefix_blocks import DanglingPrefixError, block_record_id, is_prefix_block, prefix_key
 from capture_format.shard_index import INDEX_FORMAT_VERSION, IndexEntry, ShardIndex, load_index
 from capture_format.object_store import RecordCache, is_remote
 from capture_format.shard_reader import DamagedShard, ShardDirectory, VerifyReport, open_shard_directory, verify_shard
@@ -70,6 +72,7 @@ __all__ = [
     "CaptureFormatError",
     "CaptureRecord",
     "ChecksumError",
+    "DanglingPrefixError",
     "Codec",
     "CodecError",
     "FrameError",
@@ -86,11 +89,15 @@ __all__ = [
     "ShardError",
     "ShardIndex",
     "ShardWriter",
+    "StatesPrefix",
     "TensorInfo",
     "TensorLayout",
     "UnknownCodecError",
     "VerifyReport",
     "bfloat16_bits_from_float32",
+    "block_record_id",
+    "is_prefix_block",
+    "prefix_key",
     "capture_layers_from_sglang_ids",
     "capture_layers_to_sglang_ids",
     "default_capture_layers",

@@ -1,10 +1,12 @@
 """The JSON header of a frame: what it holds and how it is checked.
 
 What must hold for a header `parse_header` accepts:
-- it is a JSON object (UTF-8, no duplicate keys, no NaN/Infinity) with exactly HEADER_KEYS;
+- it is a JSON object (UTF-8, no duplicate keys, no NaN/Infinity) with exactly HEADER_KEYS, and
+  "states_prefix" where the record leaves its first tokens' states to a shared prefix;
 - record fields obey the record rules (`records.py`) and the semantics labels are the known ones;
 - "tensors" lists token_ids, aux, final in this order, each with exactly TENSOR_KEYS, the dtype and
-  shape the record fields imply ([T], [S, K, H], [S, H], S = T or T - 1, see `records.py`), raw_nbytes == product(shape) * itemsize,
+  shape the record fields imply ([T], [S, K, H], [S, H], S = T - P or T - P - 1 with P the shared
+  prefix's tokens or 0, see `records.py`), raw_nbytes == product(shape) * itemsize,
   a known codec that accepts the element size, and hex xxh3_64 checksums;
 - stored tensors tile the payload: offsets start at 0, each tensor starts where the previous ends,
   the last ends at payload_nbytes (no gaps, no overlap, nothing outside).
@@ -44,6 +46,7 @@ HEADER_KEYS = frozenset(
         "tensors",
     }
 )
+OPTIONAL_HEADER_KEYS = frozenset({"states_prefix"})
 TENSOR_KEYS = frozenset(
     {"codec", "dtype", "name", "offset", "raw_nbytes", "raw_xxh3_64", "shape", "stored_nbytes", "stored_xxh3_64"}
 )
@@ -94,6 +97,8 @@ class FrameInfo:
     """Total length of the frame: prefix, header and payload."""
     header_xxh3_64: str
     """Hex checksum of the prefix fields and header; identifies the frame's exact header."""
+    states_prefix: records.StatesPrefix | None = None
+    """The shared prefix holding the first tokens' states, or None (records.CaptureRecord.states_prefix)."""
 
     @property
     def num_tokens(self) -> int:
@@ -151,10 +156,11 @@ def load_header(header_bytes: memoryview) -> dict[str, Any]:
     return header
 
 
-def _check_keys(mapping: dict[str, Any], expected: frozenset[str], where: str) -> None:
-    if mapping.keys() != expected:
+def _check_keys(mapping: dict[str, Any], expected: frozenset[str], where: str,
+                optional: frozenset[str] = frozenset()) -> None:
+    if mapping.keys() - optional != expected:
         missing = sorted(expected - mapping.keys())
-        unexpected = sorted(mapping.keys() - expected)
+        unexpected = sorted(mapping.keys() - expected - optional)
         raise FrameError(f"{where}: missing fields {missing}, unexpected fields {describe(unexpected)}")
 
 
@@ -220,7 +226,7 @@ def parse_header(
     header: dict[str, Any], *, header_nbytes: int, payload_nbytes: int, frame_nbytes: int, header_xxh3_64: str
 ) -> FrameInfo:
     """Checks a loaded header against the rules above and returns what it describes."""
-    _check_keys(header, HEADER_KEYS, "frame header")
+    _check_keys(header, HEADER_KEYS, "frame header", OPTIONAL_HEADER_KEYS)
     records.check_schema_version(header["schema_version"])
     for key, known in (("aux_semantics", records.AUX_SEMANTICS), ("final_semantics", records.FINAL_SEMANTICS)):
         if header[key] != known:
@@ -246,9 +252,14 @@ def parse_header(
         raise FrameError(f"tensor 'token_ids' must be 1-D; got shape {describe(list(token_ids.shape))}")
     num_tokens = records.check_num_tokens(token_ids.shape[0])
     _check_shape(token_ids, (num_tokens,))
-    # States for every token, or for all but the last (records.check_num_states).
-    last_has_no_state = num_tokens >= 2 and len(aux.shape) > 0 and aux.shape[0] == num_tokens - 1
-    num_states = num_tokens - 1 if last_has_no_state else num_tokens
+    if "states_prefix" in header:
+        states_prefix = records.check_states_prefix(_typed(header, "states_prefix", dict, "frame header"), num_tokens)
+    else:
+        states_prefix = None
+    # States for every token past the shared prefix, or for all but the last (records.check_num_states).
+    held = num_tokens - (states_prefix.num_tokens if states_prefix else 0)
+    last_has_no_state = held >= 2 and len(aux.shape) > 0 and aux.shape[0] == held - 1
+    num_states = held - 1 if last_has_no_state else held
     _check_shape(aux, (num_states, len(capture_layers), hidden_size))
     _check_shape(final, (num_states, hidden_size))
     raw_nbytes = sum(tensor.raw_nbytes for tensor in tensors)
@@ -267,4 +278,5 @@ def parse_header(
         header_nbytes=header_nbytes,
         frame_nbytes=frame_nbytes,
         header_xxh3_64=header_xxh3_64,
+        states_prefix=states_prefix,
     )

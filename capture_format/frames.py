@@ -152,6 +152,7 @@ def encode_frame(record: CaptureRecord, codec: str | None = None) -> bytes:
             "loss_spans": [list(span) for span in record.loss_spans],
             "metadata": record.metadata,
             "tensors": tensor_entries,
+            **({"states_prefix": record.states_prefix.to_json()} if record.states_prefix else {}),
         }
     )
     # Record limits (ids, spans, metadata, sizes) keep every valid record within the frame limits.
@@ -315,4 +316,5 @@ def decode_frame(buf: bytes | bytearray | memoryview, *, verify: bool = True) ->
         aux=arrays["aux"],
         final=arrays["final"],
         metadata=info.metadata,
+        states_prefix=info.states_prefix,
     )

@@ -8,6 +8,9 @@ What must hold for every `CaptureRecord` (checked when it is built, so no invali
   number of states, either T or T - 1 >= 1. S == T - 1 says the last token has no state: it is the
   token a server sampled last, on which no forward ever ran (a capture made while generating);
   every other token t has its states at row t;
+- a record may leave the states of its first P tokens to a shared prefix stored once elsewhere
+  (`states_prefix`, see `prefix_blocks.py`): then 1 <= P < T, S is T - P or T - P - 1 (>= 1), and
+  token t >= P has its states at row t - P;
 - dtypes agree: token_ids int32 (non-negative), aux and final in the numpy dtype of `dtype`
   (bfloat16 travels as uint16 bit patterns, see `bfloat16.py`), all little-endian;
 - loss_spans are sorted, non-overlapping, non-empty half-open [start, end) pairs within [0, T];
@@ -48,6 +51,7 @@ __all__ = [
     "STATE_DTYPES",
     "TOKEN_ID_DTYPE",
     "CaptureRecord",
+    "StatesPrefix",
     "spans_from_mask",
 ]
 
@@ -74,6 +78,9 @@ MAX_METADATA_NBYTES = 64 * 1024
 MAX_MODEL_FINGERPRINT_CHARS = 256
 MAX_RECORD_RAW_NBYTES = 8 << 30
 """Bound on token_ids + aux + final bytes: a record must fit in one HTTP body and in memory."""
+
+PREFIX_KEY_PATTERN = re.compile(r"[0-9a-f]{32}", re.ASCII)
+"""A shared prefix's content key: 128 bits of BLAKE2b over its token ids (`prefix_blocks.prefix_key`)."""
 
 MAX_RECORD_ID_CHARS = 128
 MAX_SAMPLE_ID_CHARS = 256
@@ -155,14 +162,49 @@ def check_num_tokens(value: object) -> int:
     return _check_int(value, "number of tokens", 1, MAX_TOKENS)
 
 
-def check_num_states(value: object, num_tokens: int) -> int:
-    """Rows of states for a record of num_tokens tokens: num_tokens, or num_tokens - 1 (>= 1) when the
-    last token has no state."""
-    if value not in (num_tokens, num_tokens - 1) or value == 0 or isinstance(value, bool):
+def check_num_states(value: object, num_tokens: int, prefix_tokens: int = 0) -> int:
+    """Rows of states for a record of num_tokens tokens whose first prefix_tokens are stored elsewhere:
+    num_tokens - prefix_tokens, or one fewer (>= 1) when the last token has no state."""
+    held = num_tokens - prefix_tokens
+    if value not in (held, held - 1) or value == 0 or isinstance(value, bool):
+        shared = f" past its {prefix_tokens}-token shared prefix" if prefix_tokens else ""
         raise InvalidRecordError(
-            f"a record of {num_tokens} tokens holds states for all {num_tokens} tokens, or for all but the last "
-            f"({num_tokens - 1}, at least 1); got {describe(value)} rows")
+            f"a record of {num_tokens} tokens holds states for all {held} tokens{shared}, or for all but the "
+            f"last ({held - 1}, at least 1); got {describe(value)} rows")
     return int(value)
+
+
+@dataclass(frozen=True, slots=True)
+class StatesPrefix:
+    """The first `num_tokens` tokens of a record have their states in a shared prefix stored once,
+    named by `key`, the content key of exactly those token ids (see `prefix_blocks.py`)."""
+
+    key: str
+    num_tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "num_tokens": self.num_tokens}
+
+
+def check_states_prefix(value: object, num_tokens: int) -> StatesPrefix | None:
+    """None, or a StatesPrefix (or its JSON object) whose key is well formed and which leaves the
+    record at least one token of its own: 1 <= prefix tokens < num_tokens."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        if set(value) != {"key", "num_tokens"}:
+            raise InvalidRecordError(f"states_prefix must have exactly the fields key and num_tokens; got "
+                                     f"{describe(sorted(value))}")
+        value = StatesPrefix(value["key"], value["num_tokens"])
+    if not isinstance(value, StatesPrefix):
+        raise InvalidRecordError(f"states_prefix must be a StatesPrefix or None; got {type(value).__name__}")
+    if not isinstance(value.key, str) or PREFIX_KEY_PATTERN.fullmatch(value.key) is None:
+        raise InvalidRecordError(f"states_prefix key {describe(value.key)} must be 32 lowercase hex digits")
+    prefix_tokens = _check_int(value.num_tokens, "states_prefix num_tokens", 1, max(num_tokens - 1, 1))
+    if prefix_tokens >= num_tokens:
+        raise InvalidRecordError(f"a shared prefix of {prefix_tokens} tokens leaves none of the record's "
+                                 f"{num_tokens} tokens to it")
+    return StatesPrefix(value.key, prefix_tokens)
 
 
 def check_dtype(value: object) -> str:
@@ -243,13 +285,16 @@ class CaptureRecord:
     """Half-open token ranges the draft model learns to predict (assistant tokens)."""
     aux: np.ndarray
     """[S, K, H]: states entering the capture layers (AUX_SEMANTICS); S is T, or T - 1 when the last
-    token has no state (see `num_states`)."""
+    token has no state (see `num_states`), less the tokens of a shared prefix."""
     final: np.ndarray
     """[S, H]: last hidden state after the final norm (FINAL_SEMANTICS)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form JSON object (client, dataset, sampling settings)."""
     schema_version: int = SCHEMA_VERSION
     """Version of these rules; a reader rejects versions it does not know."""
+    states_prefix: StatesPrefix | None = None
+    """None, or the shared prefix holding the states of the first tokens (then aux and final start at
+    token states_prefix.num_tokens). Readers of shards resolve it: `prefix_blocks.resolve_prefix`."""
 
     def __post_init__(self) -> None:
         set_field = object.__setattr__  # frozen: assignments inside __post_init__ go through object
@@ -268,8 +313,10 @@ class CaptureRecord:
         if int(token_ids.min()) < 0:
             raise InvalidRecordError(f"token_ids must be non-negative; got minimum {int(token_ids.min())}")
         hint = "uint16 bit patterns" if self.dtype == "bfloat16" else self.dtype
+        states_prefix = check_states_prefix(self.states_prefix, num_tokens)
+        set_field(self, "states_prefix", states_prefix)
         num_states = check_num_states(self.aux.shape[0] if isinstance(self.aux, np.ndarray) and self.aux.ndim
-                                      else None, num_tokens)
+                                      else None, num_tokens, states_prefix.num_tokens if states_prefix else 0)
         aux = _check_array(self.aux, "aux", state_dtype, (num_states, len(layers), hidden_size), hint)
         final = _check_array(self.final, "final", state_dtype, (num_states, hidden_size), hint)
         raw_nbytes = token_ids.nbytes + aux.nbytes + final.nbytes
@@ -287,8 +334,13 @@ class CaptureRecord:
 
     @property
     def num_states(self) -> int:
-        """S: rows of aux and final; num_tokens - 1 when the last token has no state."""
+        """S: rows of aux and final; num_tokens - 1 when the last token has no state (less a shared prefix)."""
         return int(self.aux.shape[0])
+
+    @property
+    def first_state_token(self) -> int:
+        """The token whose states are row 0: 0, or the length of the shared prefix."""
+        return self.states_prefix.num_tokens if self.states_prefix else 0
 
     @property
     def raw_nbytes(self) -> int:

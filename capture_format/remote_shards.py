@@ -183,8 +183,8 @@ class RemoteShardDirectory(IndexedShards):
         self.cache.put(key, data)
         return result
 
-    def read_record(self, entry: IndexEntry) -> CaptureRecord:
-        """Reads and fully verifies the record at entry (see the module docstring)."""
+    def read_stored_record(self, entry: IndexEntry) -> CaptureRecord:
+        """Reads and fully verifies the record at entry as stored (see the module docstring)."""
         return self.read_frame(entry, lambda data: check_record_bytes(data, entry, self.url_of(entry)))
 
     def read_token_ids(self, entry: IndexEntry) -> RecordTokens:

@@ -95,10 +95,11 @@ def format_codec_summary(tallies: dict[str, CodecTally]) -> list[str]:
 
 def recode_shards(source: ShardDirectory, out_dir: Path, codec: str) -> list[ShardIndex]:
     """Writes every record of source's sealed shards into new sealed shards in out_dir, aux and final stored with
-    codec, one shard per source shard. Records are read and verified as a trainer reads them."""
+    codec, one shard per source shard. Records are verified as a trainer reads them; prefix blocks and the
+    references to them are kept as they are."""
     indexes: list[ShardIndex] = []
     for shard in source.shards:
-        records = [source.read_record(entry) for entry in shard.entries]
+        records = [source.read_stored_record(entry) for entry in shard.entries]  # references kept as they are
         if records:
             codec_for_states(records[0].dtype, codec)  # a codec that cannot store the states fails before writing
             indexes += write_shards(records, out_dir, records_per_shard=len(records), codec=codec)

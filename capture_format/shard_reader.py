@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from capture_format.errors import CaptureFormatError, ChecksumError, FrameError, ShardError
 from capture_format.frames import decode_frame, inspect_frame_header, parse_frame_prefix
 from capture_format.object_store import RecordCache, is_remote
+from capture_format.prefix_blocks import BlockCache, is_prefix_block, resolve_prefix
 from capture_format.records import CaptureRecord
 from capture_format.shard_index import (
     SEALED_SUFFIX,
@@ -100,9 +101,37 @@ class IndexedShards:
         return sum(shard.num_tokens for shard in self.shards)
 
     def iter_index(self) -> Iterator[IndexEntry]:
-        """Every index entry, shard by shard in name order, records in file order."""
+        """The index entry of every training record, shard by shard in name order, records in file order;
+        prefix blocks (`prefix_blocks.py`), which only hold states other records refer to, are left out."""
         for shard in self.shards:
-            yield from shard.entries
+            for entry in shard.entries:
+                if not is_prefix_block(entry.record_id):
+                    yield entry
+
+    def read_stored_record(self, entry: IndexEntry) -> CaptureRecord:
+        """The record at entry as stored, fully verified; a shared-prefix reference is left unresolved."""
+        raise NotImplementedError
+
+    def read_record(self, entry: IndexEntry) -> CaptureRecord:
+        """Reads and fully verifies the record at entry, with the states of every token: a shared prefix it
+        refers to is read from the blocks of these shards (prefix_blocks.resolve_prefix; DanglingPrefixError
+        if one is missing or does not match)."""
+        return resolve_prefix(self.read_stored_record(entry), self._read_block)
+
+    def _read_block(self, record_id: str) -> CaptureRecord | None:
+        cache = self.__dict__.get("_block_cache")
+        if cache is None:
+            cache = self.__dict__.setdefault("_block_cache", BlockCache())
+            self.__dict__.setdefault("_block_entries", {entry.record_id: entry for shard in self.shards
+                                                        for entry in shard.entries if is_prefix_block(entry.record_id)})
+        block = cache.get(record_id)
+        if block is None:
+            entry = self.__dict__["_block_entries"].get(record_id)
+            if entry is None:
+                return None
+            block = self.read_stored_record(entry)
+            cache.put(block)
+        return block
 
 
 class ShardDirectory(IndexedShards):
@@ -136,8 +165,8 @@ class ShardDirectory(IndexedShards):
         """Shards still being written (or awaiting recovery): not readable through an index."""
         self._fds: dict[Path, int] = {}
 
-    def read_record(self, entry: IndexEntry) -> CaptureRecord:
-        """Reads and fully verifies the record at entry (see the module docstring)."""
+    def read_stored_record(self, entry: IndexEntry) -> CaptureRecord:
+        """Reads and fully verifies the record at entry as stored (see the module docstring)."""
         return _read_record(self._fd(entry), entry)
 
     def _fd(self, entry: IndexEntry) -> int:

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from capture_format.errors import InvalidRecordError
+from capture_format.prefix_blocks import BLOCK_RECORD_PREFIX
 from capture_format.records import MAX_TOKENS, check_loss_spans, check_metadata, check_record_id, check_sample_id
 
 TAG_KEY = "eagle_tap"
@@ -59,6 +60,9 @@ class CaptureTag:
         if self.mode not in CAPTURE_MODES:
             raise InvalidTagError(f"capture mode must be one of {', '.join(CAPTURE_MODES)}; got {self.mode!r}")
         check_record_id(self.record_id)
+        if self.record_id.startswith(BLOCK_RECORD_PREFIX):
+            raise InvalidTagError(f"record_id {self.record_id!r}: ids starting with {BLOCK_RECORD_PREFIX!r} name "
+                                  "shared-prefix blocks; choose another id")
         check_sample_id(self.sample_id)
         # Bounded by the longest record here; the plugin checks them against the real length at emit time.
         object.__setattr__(self, "loss_spans", check_loss_spans(self.loss_spans, MAX_TOKENS))

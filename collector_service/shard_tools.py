@@ -155,11 +155,15 @@ def print_stats(data_dir: Path | str, *, out: TextIO) -> None:
         raw_nbytes = sum(shard.raw_nbytes for shard in shards.shards)
         stored_nbytes = sum(shard.stored_nbytes for shard in shards.shards)
         shard_nbytes = sum(shard.shard_nbytes for shard in shards.shards)
+        samples = list(shards.iter_index())
+        num_tokens = sum(entry.num_tokens for entry in samples)
         rows = [
             ("sealed shards", f"{len(shards.shards):,}"),
             ("open shards", f"{len(shards.open_shard_paths):,} (not counted below)"),
-            ("records", f"{shards.num_records:,}"),
-            ("tokens", f"{shards.num_tokens:,}"),
+            ("records", f"{len(samples):,}"),
+            ("prefix blocks", f"{shards.num_records - len(samples):,} (shared prefixes' states, stored once)"),
+            ("tokens", f"{num_tokens:,} (of the records)"),
+            ("bytes per token", f"{shard_nbytes / num_tokens:,.1f}" if num_tokens else "-"),
             ("raw tensor bytes", f"{raw_nbytes:,} ({raw_nbytes / 2**30:.3f} GiB)"),
             ("stored tensor bytes", f"{stored_nbytes:,} ({stored_nbytes / 2**30:.3f} GiB)"),
             ("shard bytes", f"{shard_nbytes:,} ({shard_nbytes / 2**30:.3f} GiB)"),
