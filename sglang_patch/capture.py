@@ -6,6 +6,10 @@ An EXTEND batch lays its rows out request by request in `batch.reqs` order; requ
 request over several batches; its chunks are accumulated here. A DECODE batch has one row per
 request, in `batch.reqs` order: the state of the token the step reads (the last one sampled).
 
+In prefix mode (`selection.PrefixPlan`) a capture holds the rows from the end of the prompt's reused
+blocks on (its first row): the cache may serve the tokens before it, and rows of tokens before it
+that a prefill computes anyway are skipped.
+
 A capture in "prefill" mode is emitted at the chunk that ends the prompt. One in "generate" mode
 (`capture_format.tag`) goes on taking one row per decode step and is emitted when its request
 finishes (`on_finished`, after the scheduler processed the batch): prompt + generated tokens, with
@@ -36,7 +40,7 @@ import torch
 
 from capture_format.tag import CaptureTag
 from sglang_patch.device_copy import HostCopier, HostRows, RowCopier, host_cat
-from sglang_patch.selection import Selector, is_sampled
+from sglang_patch.selection import PrefixPlan, Selection, Selector, is_sampled
 from sglang_patch.stats import CaptureStats
 
 __all__ = ["CaptureAssembler", "CapturedSequence", "is_sampled"]
@@ -55,14 +59,23 @@ class CapturedSequence:
     """Rows of states: len(token_ids), or one fewer when the last token has none (generate mode)."""
     metadata: dict
     """The tag's metadata, plus in generate mode how the generation ended (`finish_reason`)."""
+    prefix: PrefixPlan | None = None
+    """Prefix mode: the blocks reused and sent; the chunks then hold the rows from token prefix.reused on."""
+    blocks_only: bool = False
+    """Send only this capture's blocks, not its record (a capture dropped after its prompt's rows were taken)."""
+
+    @property
+    def first_row(self) -> int:
+        """The token whose states are the first row of the chunks."""
+        return self.prefix.reused if self.prefix else 0
 
     @property
     def raw_nbytes(self) -> int:
         return sum(chunk.nbytes for chunk in self.chunks) + 4 * len(self.token_ids)
 
     def states(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(aux (S, K*H), final (S, H)) on CPU, once every chunk's copy has landed. Views of the host
-        buffers while there is one chunk: read them before `release()`.
+        """(aux (S, K*H), final (S, H)) on CPU, once every chunk's copy has landed, S = num_states - first_row.
+        Views of the host buffers while there is one chunk: read them before `release()`.
 
         Joined by `host_cat`, not torch.cat: this runs on the sender thread, beside the forward."""
         for chunk in self.chunks:
@@ -71,7 +84,8 @@ class CapturedSequence:
             aux, final = self.chunks[0].aux, self.chunks[0].final
         else:
             aux, final = host_cat([chunk.aux for chunk in self.chunks]), host_cat([chunk.final for chunk in self.chunks])
-        return aux[: self.num_states], final[: self.num_states]
+        held = self.num_states - self.first_row
+        return aux[:held], final[:held]
 
     def release(self) -> None:
         for chunk in self.chunks:
@@ -86,9 +100,19 @@ _FINISH_REASONS = {"FINISH_MATCHED_TOKEN": "stop", "FINISH_MATCHED_STR": "stop",
 @dataclasses.dataclass(kw_only=True, slots=True)
 class _Partial:
     tag: CaptureTag
+    prefix: PrefixPlan | None
     chunks: list[HostRows]
     num_rows: int
     updated_at: float
+
+    @property
+    def first_row(self) -> int:
+        return self.prefix.reused if self.prefix else 0
+
+    @property
+    def rows_end(self) -> int:
+        """One past the last token whose row is held."""
+        return self.first_row + self.num_rows
 
     def release(self) -> None:
         for chunk in self.chunks:
@@ -131,18 +155,18 @@ class CaptureAssembler:
             rid = req.rid
             partial = self._partials.get(rid)
             if partial is None:
-                tag = self.selector.take(rid)
-                if tag is None:
+                selection = self.selector.take(rid)
+                if selection is None:
                     continue  # not captured, or its capture was dropped already
-                if prefix_len > 0:  # its first rows were never computed here (a cache hit despite the salt)
+                partial = self._start(rid, selection, now)
+                if prefix_len > partial.first_row:  # rows it needs were never computed here (a cache hit)
                     self._abandon(rid, "cached_prefix", now)
                     continue
-                partial = self._start(rid, tag, now)
-            elif prefix_len == 0 and partial.num_rows > 0:
-                self._stats.add("restarted")  # retracted and prefilled again from scratch
+            elif prefix_len <= partial.first_row and partial.num_rows > 0:
+                self._stats.add("restarted")  # retracted and prefilled again from its first row
                 self._restart(partial, now)
-            # Rows already held (a retracted request prefilled again) are not taken twice.
-            first_new = partial.num_rows - prefix_len
+            # Rows already held (a retracted request prefilled again), or before its first row, are not taken.
+            first_new = partial.rows_end - prefix_len
             if first_new < 0:
                 self._abandon(rid, "gap", now)
                 continue
@@ -177,8 +201,10 @@ class CaptureAssembler:
             self._remove(req.rid)
             self._finish_generated(req, partial)
 
-    def _start(self, rid: str, tag: CaptureTag, now: float) -> _Partial:
-        partial = self._partials[rid] = _Partial(tag=tag, chunks=[], num_rows=0, updated_at=now)
+    def _start(self, rid: str, selection: Selection, now: float) -> _Partial:
+        tag = selection.tag
+        partial = self._partials[rid] = _Partial(tag=tag, prefix=selection.prefix, chunks=[], num_rows=0,
+                                                 updated_at=now)
         self._num_generating += tag.mode == "generate"
         self._stats.add("started")
         return partial
@@ -205,7 +231,7 @@ class CaptureAssembler:
             partial.chunks.append(rows)
             partial.num_rows += rows.aux.shape[0]
             partial.updated_at = now
-            if prefill and partial.tag.mode == "prefill" and partial.num_rows == len(req.full_untruncated_fill_ids):
+            if prefill and partial.tag.mode == "prefill" and partial.rows_end == len(req.full_untruncated_fill_ids):
                 self._remove(req.rid)
                 self._finish_prefill(req, partial)
 
@@ -226,7 +252,7 @@ class CaptureAssembler:
         finished = getattr(req, "finished_reason", None)
         reason = type(finished).__name__
         if reason == "FINISH_ABORT":
-            self._discard(partial, "aborted")
+            self._discard(partial, "aborted", req)
             return
         if getattr(finished, "matched", None) == "NaN happened":  # SGLang's finish on non-finite logits
             self._discard(partial, "nan")
@@ -234,7 +260,7 @@ class CaptureAssembler:
         prompt = list(req.origin_input_ids)
         generated = list(req.output_ids if req.finished_len is None else req.output_ids[: req.finished_len])
         if not generated:
-            self._discard(partial, "nothing_generated")
+            self._discard(partial, "nothing_generated", req)
             return
         token_ids = prompt + generated
         num_states = len(token_ids) - 1
@@ -244,8 +270,8 @@ class CaptureAssembler:
             return
         # Rows past num_states come from forwards after the finishing one (the overlap scheduler may run
         # one more step before it learns the request is done); fewer mean a step was never captured.
-        if partial.num_rows < num_states:
-            self._discard(partial, "missing_rows")
+        if partial.rows_end < num_states:
+            self._discard(partial, "missing_rows", req)
             return
         if spans and spans[-1][1] == len(prompt):
             spans = (*spans[:-1], (spans[-1][0], len(token_ids)))
@@ -261,7 +287,7 @@ class CaptureAssembler:
         if partial.tag.metadata.get("source") == "live":
             self._stats.add("captured_live")
         self._emit(CapturedSequence(tag=partial.tag, token_ids=token_ids, chunks=partial.chunks,
-                                    loss_spans=spans, num_states=num_states, metadata=metadata))
+                                    loss_spans=spans, num_states=num_states, metadata=metadata, prefix=partial.prefix))
 
     def on_aborted(self, rid: str) -> None:
         """A request the scheduler ended outside a batch (aborted while queued, e.g. after a retraction, or
@@ -270,10 +296,20 @@ class CaptureAssembler:
         if rid in self._partials:
             self._abandon(rid, "aborted", time.monotonic())
 
-    def _discard(self, partial: _Partial, reason: str) -> None:
-        """Drops a capture already out of the table: its host buffers go back, the reason is counted."""
-        partial.release()
+    def _discard(self, partial: _Partial, reason: str, req=None) -> None:
+        """Drops a capture already out of the table: its host buffers go back, the reason is counted.
+
+        Given the request of a generate capture that ended after its prompt's rows were taken, the blocks
+        it promised are still sent (other records may already refer to them)."""
         self._stats.drop(reason)
+        prefix = partial.prefix
+        if req is not None and prefix is not None and prefix.sent_here and partial.rows_end >= prefix.sent_here[-1]:
+            prompt = list(req.origin_input_ids)
+            self._emit(CapturedSequence(tag=partial.tag, token_ids=prompt, chunks=partial.chunks, loss_spans=(),
+                                        num_states=prefix.sent_here[-1], metadata={}, prefix=prefix,
+                                        blocks_only=True))
+            return
+        partial.release()
 
     def _abandon(self, rid: str, reason: str, now: float) -> None:
         # Later chunks of the request find neither a partial nor a decision (taken once): ignored, not re-counted.

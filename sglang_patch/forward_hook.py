@@ -6,10 +6,11 @@ SGLang's aux capture must be on, and this must be the sending rank (attention-TP
 context-parallel rank 0; each data-parallel group sends its own). EXTEND and MIXED batches go to the
 assembler; DECODE batches only while a generate-mode capture runs; every other call returns at once.
 
-The same object holds two more hooks of the scheduler process (`plugin.py` registers them):
+The same object holds more hooks of the scheduler process (`plugin.py` registers them):
 `on_request`, BEFORE `Scheduler.handle_generate_request` (which requests are captured: `selection.py`),
-and `on_batch_processed`, AFTER `Scheduler.process_batch_result` (generate captures whose request
-finished are emitted).
+`on_max_prefix_len`, AFTER `Req._compute_max_prefix_len` (in prefix mode, how much of a captured
+request the radix cache may serve), and `on_batch_processed`, AFTER `Scheduler.process_batch_result`
+(generate captures whose request finished are emitted).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class CaptureHook:
         self._settings = settings
         self.stats = CaptureStats()
         self.selector = Selector(stats=self.stats, sample_rate=settings.sample_rate,
-                                 live_sample_rate=settings.live_sample_rate, ttl_s=settings.partial_ttl_s)
+                                 live_sample_rate=settings.live_sample_rate, ttl_s=settings.partial_ttl_s,
+                                 prefix_block_tokens=settings.prefix_block_tokens)
         self._assembler: CaptureAssembler | None = None
         self.sender: Sender | None = None
         self._disabled = False
@@ -113,6 +115,17 @@ class CaptureHook:
         except Exception:
             self._count_error("request")
         return None  # the arguments go on unchanged (but for the cache salt of a selected request)
+
+    def on_max_prefix_len(self, result: Any, req: Any = None, *args: Any, **kwargs: Any) -> int | None:
+        """AFTER `Req._compute_max_prefix_len`: in prefix mode, a selected request's cache match ends where
+        its reused blocks end, so its prefill computes every row past them (`selection.PrefixPlan`).
+        Like the cache salt, the cap depends only on the settings and the requests, alike on every rank."""
+        try:
+            cap = self.selector.prefix_cap(req.rid)
+            return cap if cap is not None and cap < result else None
+        except Exception:
+            self._count_error("prefix cap")
+            return None
 
     def on_batch_processed(self, result: Any, scheduler: Any, batch: Any = None, *args: Any, **kwargs: Any) -> None:
         """AFTER `Scheduler.process_batch_result`: emit the generate captures whose request just finished."""

@@ -16,7 +16,9 @@ does nothing. Otherwise, on a tested SGLang version, it registers:
 3. a BEFORE hook on `Scheduler.handle_generate_request`, which decides per request whether it is
    captured before it is scheduled (`selection.py`), and an AFTER hook on
    `Scheduler.process_batch_result`, which emits generate captures whose request finished, and one on
-   `Scheduler.send_abort_output`, which frees the capture of a request ended outside a batch.
+   `Scheduler.send_abort_output`, which frees the capture of a request ended outside a batch;
+4. with `EAGLE_TAP_PREFIX_BLOCK_TOKENS` > 0, an AFTER hook on `Req._compute_max_prefix_len`, which caps
+   the radix-cache match of a captured request where its reused shared-prefix blocks end.
 
 Nothing here raises into SGLang: every failure is logged, counted and turns capture off, never serving.
 """
@@ -43,6 +45,7 @@ FORWARD_TARGET = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_gene
 REQUEST_TARGET = "sglang.srt.managers.scheduler.Scheduler.handle_generate_request"
 PROCESSED_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 ABORT_TARGET = "sglang.srt.managers.scheduler.Scheduler.send_abort_output"
+PREFIX_CAP_TARGET = "sglang.srt.managers.schedule_batch.Req._compute_max_prefix_len"
 RESOLUTION_STEP = "handle_return_hidden_states_mode"
 
 _registered = False
@@ -76,6 +79,8 @@ def register() -> None:
         HookRegistry.register(REQUEST_TARGET, hook.on_request, HookType.BEFORE)
         HookRegistry.register(PROCESSED_TARGET, hook.on_batch_processed, HookType.AFTER)
         HookRegistry.register(ABORT_TARGET, hook.on_abort_output, HookType.AFTER)
+        if settings.prefix_block_tokens:
+            HookRegistry.register(PREFIX_CAP_TARGET, hook.on_max_prefix_len, HookType.AFTER)
         logger.info("eagle-tap capture plugin registered; collector %s", settings.collector_url)
     except Exception:
         logger.exception("eagle-tap capture disabled: the plugin failed to register; serving is unaffected")

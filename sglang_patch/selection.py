@@ -11,10 +11,24 @@ are not selected keep their cache hits. Two kinds of request are selected:
   do not describe what the model saw). A live record's metadata says where it came from and at
   which rate; it holds no text.
 
+Shared prefixes (`EAGLE_TAP_PREFIX_BLOCK_TOKENS` = B > 0, `capture_format.prefix_blocks`). Instead of
+its own cache namespace, a selected request gets a `PrefixPlan`: its prompt is cut at multiples of B
+(block ends before its last token), and of those blocks, the ones whose content key this process has
+already promised are reused: the request's radix-cache match is capped at the longest reused prefix
+(`prefix_cap`, applied by an AFTER hook on `Req._compute_max_prefix_len`, SGLang's own limit for
+logprob requests), so its prefill computes every row past it while the cache serves the rest; the
+other blocks are promised now and sent with its capture. Its record refers to its last block and
+holds only the rows past it. The promises are first-in first-out (`MAX_KNOWN_BLOCKS`, not refreshed
+by use), so a block whose capture was lost (dropped under load, aborted before its prefill) is
+promised and sent again within one turn of the table: references to it dangle only until then, and a
+reader counts and skips them.
+
 What must hold:
 - the decision for a request is made once, here, and depends only on the settings and the request
   (deterministic in its id: a re-sent request is sampled the same way), so every tensor-parallel
-  rank salts it alike and schedules it alike;
+  rank salts it alike and schedules it alike; in prefix mode the promises and caps change only here,
+  in request order, the same on every rank (never by what this rank's sender achieved), so every
+  rank caps a request's cache match alike;
 - a request that is not selected costs a dict lookup and a hash; nothing about it is kept;
 - the decisions waiting for their request's first forward are bounded (`MAX_WAITING`, then the
   oldest are dropped and counted) and expire after the partial TTL (a request aborted while queued).
@@ -23,6 +37,7 @@ What must hold:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 import zlib
 from typing import Any
@@ -30,13 +45,48 @@ from typing import Any
 import xxhash
 
 from capture_format.errors import InvalidRecordError
+from capture_format.prefix_blocks import prefix_keys
 from capture_format.records import check_record_id
 from capture_format.tag import CaptureTag, opted_out
 from sglang_patch.stats import CaptureStats
 
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX in 0.5.23
 MAX_WAITING = 65536
+MAX_KNOWN_BLOCKS = 16384
+"""Block keys promised, first in first out: each block is sent again at least once per this many promises."""
+MAX_CAPS = 65536
 LIVE_SOURCE = "live"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefixPlan:
+    """How a selected request's prompt splits into shared-prefix blocks (see the module docstring)."""
+
+    block_tokens: int
+    reused: int
+    """Tokens whose states come from blocks already promised (0 or a multiple of block_tokens): the
+    request's cache match is capped here and its capture holds the rows from here on."""
+    keys: tuple[str, ...]
+    """Content keys of the prompt's first k * block_tokens tokens, k = 1, 2, ... (ends before its last token)."""
+    sent_here: tuple[int, ...]
+    """Ends of the blocks this capture sends (its own rows), increasing."""
+
+    @property
+    def record_prefix(self) -> int:
+        """Tokens the record leaves to blocks: all of the prompt's blocks."""
+        return len(self.keys) * self.block_tokens
+
+    def key(self, end: int) -> str:
+        return self.keys[end // self.block_tokens - 1]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Selection:
+    """A request chosen for capture, waiting for its first forward."""
+
+    tag: CaptureTag
+    prefix: PrefixPlan | None
+    decided_at: float
 
 
 def is_sampled(key: str, sample_rate: float) -> bool:
@@ -58,12 +108,15 @@ class Selector:
     """Decides per request whether it is captured; the assembler takes the decision at its first forward."""
 
     def __init__(self, *, stats: CaptureStats, sample_rate: float, live_sample_rate: float,
-                 ttl_s: float = 600.0) -> None:
+                 ttl_s: float = 600.0, prefix_block_tokens: int = 0) -> None:
         self._stats = stats
         self._sample_rate = sample_rate
         self._live_sample_rate = live_sample_rate
         self._ttl_s = ttl_s
-        self._waiting: collections.OrderedDict[str, tuple[CaptureTag, float]] = collections.OrderedDict()
+        self._block_tokens = prefix_block_tokens
+        self._waiting: collections.OrderedDict[str, Selection] = collections.OrderedDict()
+        self._known_blocks: collections.OrderedDict[str, None] = collections.OrderedDict()  # promised block keys
+        self._caps: collections.OrderedDict[str, int] = collections.OrderedDict()  # rid -> cache match cap
         self.keep_decisions = True
         """False in a process that does not capture (another rank ships, or capture is off): requests are
         still salted alike on every rank, but no decision waits for a forward that will not take it."""
@@ -79,14 +132,21 @@ class Selector:
                           num_samples=getattr(recv_req.sampling_params, "n", 1) or 1)
         if tag is None:
             return
-        # Its own radix-cache namespace: the prefill computes (and the plugin captures) every prompt row.
-        salt = getattr(recv_req, "cache_salt", None)
-        recv_req.cache_salt = f"{salt}|eagle-tap:{rid}" if salt else f"eagle-tap:{rid}"
+        input_ids = getattr(recv_req, "input_ids", None)
+        plan = self._plan_prefix(input_ids) if self._block_tokens and input_ids else None
+        if plan is not None:  # the cache may serve its reused blocks, nothing past them (0: nothing)
+            self._caps[rid] = plan.reused
+            while len(self._caps) > MAX_CAPS:
+                self._caps.popitem(last=False)
+        else:
+            # Its own radix-cache namespace: the prefill computes (and the plugin captures) every prompt row.
+            salt = getattr(recv_req, "cache_salt", None)
+            recv_req.cache_salt = f"{salt}|eagle-tap:{rid}" if salt else f"eagle-tap:{rid}"
         if not self.keep_decisions:
             self._waiting.clear()
             return
         now = time.monotonic()
-        self._waiting[rid] = (tag, now)
+        self._waiting[rid] = Selection(tag, plan, now)
         self._waiting.move_to_end(rid)
         while len(self._waiting) > MAX_WAITING:
             self._waiting.popitem(last=False)
@@ -123,15 +183,34 @@ class Selector:
         return CaptureTag(record_id=record_id, sample_id=record_id, loss_spans=(), mode="generate",
                           metadata={"source": LIVE_SOURCE, "live_sample_rate": self._live_sample_rate})
 
-    def take(self, rid: str) -> CaptureTag | None:
+    def _plan_prefix(self, input_ids: list[int]) -> PrefixPlan:
+        """Cuts a prompt into blocks, reuses the longest promised prefix and promises the blocks past it."""
+        size = self._block_tokens
+        ends = range(size, len(input_ids), size)  # blocks end before the last token: the record keeps a row
+        keys = prefix_keys(input_ids, ends) if len(ends) else []
+        known = self._known_blocks
+        reused = next((end for end, key in zip(reversed(ends), reversed(keys)) if key in known), 0)
+        sent_here = tuple(end for end, key in zip(ends, keys) if end > reused and key not in known)
+        for end in sent_here:
+            known[keys[end // size - 1]] = None
+        while len(known) > MAX_KNOWN_BLOCKS:
+            known.popitem(last=False)
+        if reused:
+            self._stats.add("prefix_tokens_reused", reused)
+        return PrefixPlan(size, reused, tuple(keys), sent_here)
+
+    def prefix_cap(self, rid: str) -> int | None:
+        """The longest cache match a selected request may use (prefix mode), or None: not limited."""
+        return self._caps.get(rid)
+
+    def take(self, rid: str) -> Selection | None:
         """The decision for a request at its first forward (removed: it is taken once)."""
-        entry = self._waiting.pop(rid, None)
-        return entry[0] if entry is not None else None
+        return self._waiting.pop(rid, None)
 
     def _expire(self, now: float) -> None:
         while self._waiting:
-            rid, (_, decided_at) = next(iter(self._waiting.items()))
-            if now - decided_at <= self._ttl_s:
+            rid, selection = next(iter(self._waiting.items()))
+            if now - selection.decided_at <= self._ttl_s:
                 break
             del self._waiting[rid]
             self._stats.drop("expired_before_scheduling")

@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from capture_format import CaptureRecord, encode_frame
+from capture_format import CaptureRecord, StatesPrefix, encode_frame
+from capture_format.prefix_blocks import BLOCK_KIND, block_record_id, prefix_key
 from sglang_patch.capture import CapturedSequence
 from sglang_patch.delivery import CollectorClient, Verdict
 from sglang_patch.settings import CaptureSettings
@@ -65,26 +66,43 @@ def record_dtype(dtype: torch.dtype) -> str | None:
     return entry[0] if entry is not None else None
 
 
-def to_record(captured: CapturedSequence, model: ModelIdentity) -> CaptureRecord:
-    """The record of a capture; its arrays are views of the capture's host buffers (encode before release)."""
-    aux_rows, final_rows = captured.states()  # (S, K*H), (S, H); S = T, or T - 1 in generate mode
+def to_records(captured: CapturedSequence, model: ModelIdentity) -> list[CaptureRecord]:
+    """The records of a capture: in prefix mode the blocks it sends, then its own record (none for a
+    blocks-only capture). Their arrays are views of the capture's host buffers (encode before release).
+    ValueError if the capture cannot make valid records (e.g. its token ids are not those it was planned on)."""
+    aux_rows, final_rows = captured.states()  # (S', K*H), (S', H): the rows from token first_row on
     dtype_name, view_dtype, numpy_dtype = _STATE_DTYPES[aux_rows.dtype]
-    num_states, num_layers = captured.num_states, len(model.capture_layers)
-    aux = aux_rows.view(view_dtype).numpy().view(numpy_dtype)
-    final = final_rows.view(view_dtype).numpy().view(numpy_dtype)
-    return CaptureRecord(
-        record_id=captured.tag.record_id,
-        sample_id=captured.tag.sample_id,
-        model_fingerprint=model.model_fingerprint,
-        capture_layers=model.capture_layers,
-        hidden_size=model.hidden_size,
-        dtype=dtype_name,
-        token_ids=np.asarray(captured.token_ids, dtype=np.int32),
-        loss_spans=captured.loss_spans,
-        aux=aux.reshape(num_states, num_layers, model.hidden_size),  # (S, K, H)
-        final=final.reshape(num_states, model.hidden_size),  # (S, H)
-        metadata=captured.metadata,
-    )
+    held, num_layers = aux_rows.shape[0], len(model.capture_layers)
+    aux = aux_rows.view(view_dtype).numpy().view(numpy_dtype).reshape(held, num_layers, model.hidden_size)
+    final = final_rows.view(view_dtype).numpy().view(numpy_dtype).reshape(held, model.hidden_size)
+    token_ids = np.asarray(captured.token_ids, dtype=np.int32)
+    shared = {"model_fingerprint": model.model_fingerprint, "capture_layers": model.capture_layers,
+              "hidden_size": model.hidden_size, "dtype": dtype_name}
+    plan, first_row = captured.prefix, captured.first_row
+
+    def reference(end: int) -> StatesPrefix | None:
+        return StatesPrefix(plan.key(end), end) if end else None
+
+    records = []
+    if plan is not None:
+        if plan.keys and prefix_key(token_ids[: plan.record_prefix]) != plan.keys[-1]:
+            raise ValueError("its token ids are not the prompt its shared-prefix blocks were planned on")
+        for end in plan.sent_here:
+            start = end - plan.block_tokens
+            rows = slice(start - first_row, end - first_row)
+            block_id = block_record_id(plan.key(end))
+            records.append(CaptureRecord(record_id=block_id, sample_id=block_id, token_ids=token_ids[:end],
+                                         loss_spans=(), aux=aux[rows], final=final[rows],
+                                         metadata={"kind": BLOCK_KIND}, states_prefix=reference(start), **shared))
+    if captured.blocks_only:
+        return records
+    own = plan.record_prefix if plan is not None else 0
+    records.append(CaptureRecord(
+        record_id=captured.tag.record_id, sample_id=captured.tag.sample_id, token_ids=token_ids,
+        loss_spans=captured.loss_spans, aux=aux[own - first_row :],  # (S - own, K, H)
+        final=final[own - first_row :], metadata=captured.metadata,  # (S - own, H)
+        states_prefix=reference(own), **shared))
+    return records
 
 
 class Sender:
@@ -189,13 +207,13 @@ class Sender:
                 batch_bytes += captured.raw_nbytes
             return batch, self._stopping
 
-    def _encode(self, captured: CapturedSequence) -> bytes | None:
+    def _encode(self, captured: CapturedSequence) -> list[bytes]:
         try:
-            return encode_frame(to_record(captured, self._model), self._model.codec)
+            return [encode_frame(record, self._model.codec) for record in to_records(captured, self._model)]
         except ValueError as error:
             self._stats.drop("invalid_record")
             logger.error("eagle-tap: capture %s is not a valid record: %s", captured.tag.record_id, error)
-            return None
+            return []
         finally:
             captured.release()
             with self._condition:
@@ -204,11 +222,12 @@ class Sender:
     def _ship(self, batch: list[CapturedSequence], *, spool_only: bool) -> None:
         frames = []
         for captured in batch:
-            frame = self._encode(captured)
-            if frame is not None:
+            encoded = self._encode(captured)
+            if encoded:
                 self._stats.add("bytes_raw", captured.raw_nbytes)
-                self._stats.add("bytes_stored", len(frame))
-                frames.append(frame)
+                self._stats.add("bytes_stored", sum(len(frame) for frame in encoded))
+                self._stats.add("prefix_blocks_sent", len(encoded) - (not captured.blocks_only))
+                frames.extend(encoded)
         # Order: nothing overtakes what already waits in the spool.
         if spool_only or len(self._spool) or time.monotonic() < self._retry_at:
             for frame in frames:

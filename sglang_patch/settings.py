@@ -47,6 +47,11 @@ class CaptureSettings(BaseSettings):
     live_sample_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     """Fraction of untagged generate requests captured in one pass (prompt and answer), chosen by a hash of
     the request id; 0 turns live capture off. Stores the token ids of users' requests: see the README."""
+    prefix_block_tokens: int = Field(default=0, ge=0, le=1 << 16)
+    """Shared prefixes stored once: captured prompts are cut into content-addressed blocks of this many
+    tokens, stored once and referred to by every record that starts with them, and a captured request
+    keeps the radix cache's hits on its reused blocks. 0: every record holds all its rows and a captured
+    request computes its whole prompt (its own cache namespace)."""
     partial_ttl_s: float = Field(default=600.0, gt=0)
     """A chunked capture whose next chunk has not come within this time is dropped (e.g. an abort)."""
     send_timeout_s: float = Field(default=30.0, gt=0)

@@ -288,7 +288,7 @@ def test_live_sampling_is_deterministic_skips_health_checks_and_opt_outs_and_sal
     assert 500 < len(chosen) < 700 and chosen == {rid for rid in (r.rid for r in requests) if is_sampled(rid, 0.3)}
     assert all(request.cache_salt == f"eagle-tap:{request.rid}" for request in requests if request.rid in chosen)
     rid = sorted(chosen)[0]
-    tag = selector.take(rid)
+    tag = selector.take(rid).tag
     assert tag.mode == "generate" and tag.metadata == {"source": "live", "live_sample_rate": 0.3}
     assert tag.record_id == f"live-{rid}" and selector.take(rid) is None  # taken once
     # Never: health checks, opted-out requests, requests given as embeddings; their salt is left alone.

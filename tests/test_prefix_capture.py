@@ -1,0 +1,109 @@
+"""Shared prefixes stored once, inside a real SGLang server (CPU) shipping to a real collector on loopback.
+
+With `EAGLE_TAP_PREFIX_BLOCK_TOKENS` set, a sampled request keeps the radix cache's hits on the blocks an
+earlier capture already sent, its record refers to them, and a reader joins them back. Oracle: the
+tiny model in transformers (fp32) on the same token ids; the server runs bf16, so rows agree within
+bf16 noise per token (as in tests/test_capture_parity.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import capture_format as cf
+from capture_format.prefix_blocks import resolve_prefix
+from capture_helpers import aux_as_float, final_as_float, read_stats, stored_record, wait_for
+from eagle_tap.sglang_server import post_json
+
+pytestmark = pytest.mark.sglang
+
+BLOCK = 16
+BF16_MEDIAN_REL_TOL = 0.03
+SYSTEM_PROMPT = "You are a careful assistant. " + " ".join(f"Rule {i}: answer plainly and check facts." for i in range(30))
+
+
+@pytest.fixture(scope="module")
+def prefix_server(start_sglang, tiny_model_dir, collector, tmp_path_factory):
+    """(server, spool dir): every chat request sampled, prefixes cut into 16-token blocks, prefill chunked at 64."""
+    spool_dir = tmp_path_factory.mktemp("spool-prefix")
+    server = start_sglang(tiny_model_dir, extra_args=("--chunked-prefill-size", "64"), env={
+        "EAGLE_TAP_COLLECTOR_URL": collector.url, "EAGLE_TAP_SPOOL_DIR": str(spool_dir),
+        "EAGLE_TAP_LIVE_SAMPLE_RATE": "1.0", "EAGLE_TAP_PREFIX_BLOCK_TOKENS": str(BLOCK)})
+    return server, spool_dir
+
+
+def resolved_record(collector, record_id: str) -> cf.CaptureRecord:
+    def read_block(block_id: str):
+        try:
+            return stored_record(collector, block_id, timeout_s=10)
+        except AssertionError:
+            return None
+
+    return resolve_prefix(stored_record(collector, record_id), read_block)
+
+
+def median_token_error(got: np.ndarray, want: np.ndarray) -> float:
+    per_token = np.linalg.norm(got - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-12)
+    return float(np.median(per_token))
+
+
+def test_sampled_chats_keep_cache_hits_on_shared_blocks_and_resolve_to_the_models_states(
+        prefix_server, collector, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    server, spool_dir = prefix_server
+    rids = [f"shared{i:03d}" for i in range(4)]
+    answers = {}
+    for rid in rids:  # one after another: each finds the blocks of those before it
+        answers[rid] = post_json(f"{server.url}/v1/chat/completions", {
+            "model": "tiny", "rid": rid, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                         {"role": "user", "content": f"Question {rid}: what is 3 + {rid[-1]}?"}]})
+    stats = wait_for(lambda: (s := read_stats(spool_dir)).get("captured_live", 0) >= len(rids) and s, 60,
+                     "the live captures")
+    stored = {rid: stored_record(collector, f"live-{rid}") for rid in rids}
+    first_prefix = stored[rids[0]].first_state_token
+    assert first_prefix >= 10 * BLOCK  # the system prompt's blocks
+    for rid in rids[1:]:
+        # Its record refers to the shared blocks and holds only its own rows past them.
+        assert stored[rid].first_state_token >= first_prefix - BLOCK
+        assert stored[rid].num_states < stored[rid].num_tokens - 10 * BLOCK
+    assert stats["prefix_tokens_reused"] >= 3 * 10 * BLOCK  # requests 2-4 were served their blocks by the cache
+    assert stats.get("dropped", {}) == {} and stats.get("hook_errors", 0) == 0
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    for rid in rids:
+        record = resolved_record(collector, f"live-{rid}")
+        assert record.num_states == record.num_tokens - 1 and record.states_prefix is None
+        ids = record.token_ids.tolist()
+        usage = answers[rid]["usage"]
+        assert len(ids) == usage["prompt_tokens"] + usage["completion_tokens"]
+        with torch.no_grad():
+            hidden = hf_model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        hidden = torch.stack([state[0] for state in hidden]).float().numpy()[:, : record.num_states]  # (L+1, S, H)
+        aux = aux_as_float(record)
+        for slot, layer in enumerate(record.capture_layers):
+            assert median_token_error(aux[:, slot], hidden[layer]) < BF16_MEDIAN_REL_TOL, (rid, layer)
+        assert median_token_error(final_as_float(record), hidden[-1]) < BF16_MEDIAN_REL_TOL, rid
+
+
+def test_a_record_whose_blocks_are_missing_is_skipped_by_readers_never_read_wrong(prefix_server, collector, tmp_path):
+    server, spool_dir = prefix_server
+    answer = post_json(f"{server.url}/generate", {"rid": "dangle0", "input_ids": list(range(600, 700)),
+                                                  "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    record = stored_record(collector, "live-dangle0")
+    assert record.token_ids.tolist() == list(range(600, 700)) + answer["output_ids"]
+    assert record.first_state_token == 96  # 6 blocks of 16 before the last prompt token
+    # A shard set holding the record but only some of its blocks: the reader refuses it, by name.
+    blocks = [stored_record(collector, cf.block_record_id(cf.prefix_key(list(range(600, 600 + end)))))
+              for end in range(BLOCK, 97, BLOCK)]
+    cf.write_shards([*blocks[:3], *blocks[4:], record], tmp_path / "partial", records_per_shard=8)
+    cf.write_shards([*blocks, record], tmp_path / "whole", records_per_shard=8)
+    with cf.ShardDirectory(tmp_path / "partial") as shards:
+        (entry,) = shards.iter_index()
+        with pytest.raises(cf.DanglingPrefixError, match="not in the shards read"):
+            shards.read_record(entry)
+    with cf.ShardDirectory(tmp_path / "whole") as shards:
+        (entry,) = shards.iter_index()
+        assert shards.read_record(entry).num_states == record.num_tokens - 1
