@@ -12,13 +12,14 @@ bounds what one pass can save: one-pass time / two-pass time cannot fall below 1
 records of both are compared: same token ids (greedy), and the per-token relative error of the
 decode-captured rows against the prefill-captured rows of the same ids (bf16 noise is ~0.5-0.8%).
 
-Part 2, live sampling (three servers: plugin not loaded, live sampling at 10%, at 100%). Workload:
-requests that share one of a few system prompts of 300-600 tokens plus a short question, untagged,
-radix cache on, greedy answers; alternating rounds. Served throughput with each rate vs no plugin,
-and coverage: the share of sampled requests whose record is complete (token ids = prompt + answer).
-Bytes stored per captured token are reported; shared prefixes are stored once per record (no
-cross-record de-duplication yet), so the share of captured tokens that repeat an earlier record's
-system prompt is reported as the room such de-duplication would have.
+Part 2, live sampling (five servers: plugin not loaded; at 10% and at 100%, each storing whole records
+(a sampled request computes its whole prompt) and storing shared prefixes once (`--prefix-block-tokens`
+blocks: a sampled request keeps the cache's hits on blocks already sent), each capturing server with
+its own collector). Workload: requests that share one of a few system prompts of 300-600 tokens plus
+a short question, untagged, radix cache on, greedy answers; alternating rounds. Served throughput
+with each mode vs no plugin; coverage: the share of sampled requests whose record reads back complete
+(token ids = prompt + answer, a state for every token but the last, shared prefixes resolved); bytes
+of the shards per captured token, and the shared / whole ratio.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import shutil
 import statistics
 import tempfile
 import time
+import urllib.error
+import urllib.request
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,6 +53,7 @@ COLUMNS = [
 ONE_PASS_GUESS = 0.7
 LIVE_GOAL = 0.95
 COVERAGE_GOAL = 0.99
+SHARED_BYTES_GOAL = 0.6
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,6 +71,8 @@ class Config:
     live_max_new_tokens: int = 32
     system_prompt_tokens: tuple[int, ...] = (300, 400, 500, 600)
     live_rates: tuple[float, ...] = (0.1, 1.0)
+    prefix_block_tokens: int = 64
+    """Block size of the servers that store shared prefixes once (EAGLE_TAP_PREFIX_BLOCK_TOKENS)."""
 
     @classmethod
     def quick(cls) -> Config:
@@ -208,29 +214,78 @@ def live_workload(chat, config: Config, number: int, server_name: str) -> list[t
     return requests
 
 
-def live_sampling(config: Config, work: Path, chat) -> dict[str, Any]:
+def _record_exists(collector: CollectorProcess, record_id: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{collector.url}/v1/records/{record_id}", timeout=30):
+            return True
+    except urllib.error.HTTPError as error:
+        if error.code == 404:
+            return False
+        raise
+
+
+def _wait_records(collector: CollectorProcess, record_ids: list[str], timeout_s: float = 120.0) -> None:
+    """Until the collector holds every one of record_ids (blocks a record refers to are sent before it)."""
+    started, waiting = time.perf_counter(), list(record_ids)
+    while waiting:
+        waiting = [record_id for record_id in waiting if not _record_exists(collector, record_id)]
+        if waiting and time.perf_counter() - started > timeout_s:
+            raise RuntimeError(f"{len(waiting)} of {len(record_ids)} records not stored after {timeout_s:.0f} s")
+        if waiting:
+            time.sleep(0.02)
+
+
+def _stored(data_dir: Path, prefix: str) -> tuple[dict[str, Any], int, int, int]:
+    """(records whose id starts with prefix, resolved; how many could not be read; shard bytes; record tokens)."""
+    import capture_format as cf
+
+    records, unreadable = {}, 0
+    with cf.ShardDirectory(data_dir) as shards:
+        shard_bytes = sum(shard.shard_nbytes for shard in shards.shards)
+        tokens = sum(entry.num_tokens for entry in shards.iter_index())
+        for entry in shards.iter_index():
+            if entry.record_id.startswith(prefix):
+                try:
+                    records[entry.record_id] = shards.read_record(entry)
+                except cf.CaptureFormatError:
+                    unreadable += 1
+    return records, unreadable, shard_bytes, tokens
+
+
+def live_servers(config: Config, work: Path) -> tuple[dict[str, SGLangServer], dict[str, tuple[float, CollectorProcess]]]:
+    """The plugin absent, then per rate a server storing whole records and one storing shared prefixes once,
+    each capturing server with its own collector (so each one's bytes are its own)."""
     model = Path(config.model)
-    collector = CollectorProcess(work / "collector-live" / "data")
     servers = {"absent": SGLangServer(ServerConfig(model_path=model, log_path=work / "absent.log",
                                                     env={"SGLANG_PLUGINS": "none-loaded"}))}
+    capturing: dict[str, tuple[float, CollectorProcess]] = {}
     for rate in config.live_rates:
-        name = f"live{rate:g}"
-        servers[name] = SGLangServer(ServerConfig(model_path=model, log_path=work / f"{name}.log", env={
-            "EAGLE_TAP_COLLECTOR_URL": collector.url, "EAGLE_TAP_SPOOL_DIR": str(work / f"spool-{name}"),
-            "EAGLE_TAP_LIVE_SAMPLE_RATE": str(rate)}))
-    rates = {f"live{rate:g}": rate for rate in config.live_rates}
+        for shared in (False, True):
+            name = f"live{rate:g}" + ("-shared" if shared else "")
+            collector = CollectorProcess(work / f"collector-{name}" / "data")
+            env = {"EAGLE_TAP_COLLECTOR_URL": collector.url, "EAGLE_TAP_SPOOL_DIR": str(work / f"spool-{name}"),
+                   "EAGLE_TAP_LIVE_SAMPLE_RATE": str(rate)}
+            if shared:
+                env["EAGLE_TAP_PREFIX_BLOCK_TOKENS"] = str(config.prefix_block_tokens)
+            servers[name] = SGLangServer(ServerConfig(model_path=model, log_path=work / f"{name}.log", env=env))
+            capturing[name] = (rate, collector)
+    return servers, capturing
+
+
+def live_sampling(config: Config, work: Path, chat) -> dict[str, Any]:
+    servers, capturing = live_servers(config, work)
     rows: list[dict[str, Any]] = []
     expected: dict[str, list[int]] = {}  # record id -> prompt + answer of every sampled request
-    sampled_by: dict[str, list[str]] = {name: [] for name in rates}
+    sampled_by: dict[str, list[str]] = {name: [] for name in capturing}
     try:
         for server in servers.values():
             server.start()
         for name, server in servers.items():  # warm-up: one request per system prompt
-            _parallel(lambda item: _generate(server, item[1], 4, rid=item[0], salt=False),
-                      live_workload(chat, config, 999, f"warm{name}")[:4], config.concurrency)
-        wait_stored(collector, sum(is_sampled(f"live999xwarm{name}x{i:04d}", rate)
-                                   for name, rate in rates.items() for i in range(4)))
-        stored = collector.stats()["num_records"]
+            warm = live_workload(chat, config, 999, f"warm{name}")[:4]
+            _parallel(lambda item: _generate(server, item[1], 4, rid=item[0], salt=False), warm, config.concurrency)
+            if name in capturing:
+                rate, collector = capturing[name]
+                _wait_records(collector, [f"live-{rid}" for rid, _ in warm if is_sampled(rid, rate)])
         for number in range(config.rounds):
             order = list(servers) if number % 2 == 0 else list(reversed(servers))
             row: dict[str, Any] = {"round": number}
@@ -242,46 +297,46 @@ def live_sampling(config: Config, work: Path, chat) -> dict[str, Any]:
                 row[f"{name}_s"] = time.perf_counter() - started
                 row[f"{name}_cpu_s"] = tree_cpu_s(server.pid) - cpu
                 row[f"{name}_tokens"] = sum(len(answer["output_ids"]) for answer in answers)
-                if name in rates:
+                if name in capturing:
+                    rate, collector = capturing[name]
+                    sampled = []
                     for (rid, ids), answer in zip(workload, answers):
-                        if is_sampled(rid, rates[name]):
+                        if is_sampled(rid, rate):
                             expected[f"live-{rid}"] = ids + answer["output_ids"]
-                            sampled_by[name].append(f"live-{rid}")
-                    stored += sum(is_sampled(rid, rates[name]) for rid, _ in workload)
-                    wait_stored(collector, stored)
-            for name in rates:  # generated tokens per second (greedy answers may differ a little in length)
+                            sampled.append(f"live-{rid}")
+                    sampled_by[name] += sampled
+                    _wait_records(collector, sampled)
+            for name in capturing:  # generated tokens per second (greedy answers may differ a little in length)
                 row[f"{name}_ratio"] = (row[f"{name}_tokens"] / row[f"{name}_s"]) / (row["absent_tokens"] / row["absent_s"])
             rows.append(row)
-        collector_stats = collector.stats()
     finally:
         for server in servers.values():
             server.stop()
-        collector.stop()
-    records = _read_records(collector.data_dir, "live-")
-    result: dict[str, Any] = {"rounds": rows, "collector": {key: collector_stats.get(key) for key in
-                                                              ("num_records", "num_tokens", "stored_nbytes",
-                                                               "raw_nbytes")}}
-    for name in rates:
+        for _, collector in capturing.values():
+            collector.stop()
+    result: dict[str, Any] = {"rounds": rows}
+    for name, (rate, collector) in capturing.items():
+        records, unreadable, shard_bytes, tokens = _stored(collector.data_dir, "live-")
         ids = sampled_by[name]
         complete = sum(record_id in records and records[record_id].token_ids.tolist() == expected[record_id]
-                       for record_id in ids)
-        result[name] = {"ratio": statistics.median(row[f"{name}_ratio"] for row in rows),
+                       and records[record_id].num_states == len(expected[record_id]) - 1 for record_id in ids)
+        result[name] = {"rate": rate, "ratio": statistics.median(row[f"{name}_ratio"] for row in rows),
                         "cpu_ratio": statistics.median(row["absent_cpu_s"] / row[f"{name}_cpu_s"] for row in rows),
-                        "sampled": len(ids), "complete": complete,
-                        "coverage": complete / len(ids) if ids else float("nan")}
-    stored_tokens = sum(record.num_tokens for record in records.values())
-    systems_seen: set[tuple[int, ...]] = set()
-    repeated = 0
-    for record in records.values():  # tokens before the question: the shared system prompt
-        tokens = record.token_ids.tolist()
-        key = tuple(tokens[: min(config.system_prompt_tokens)])
-        if key in systems_seen:
-            repeated += min(config.system_prompt_tokens)
-        systems_seen.add(key)
-    # The collector holds only live records here (warm-up ones included): its totals give bytes per token.
-    result["bytes_per_token"] = (collector_stats["stored_nbytes"] / collector_stats["num_tokens"]
-                                 if collector_stats.get("num_tokens") else float("nan"))
-    result["repeated_prefix_share"] = repeated / stored_tokens if stored_tokens else float("nan")
+                        "sampled": len(ids), "complete": complete, "unreadable": unreadable,
+                        "coverage": complete / len(ids) if ids else float("nan"),
+                        # Warm-up records included: every byte of the shards per token of the records they serve.
+                        "bytes_per_token": shard_bytes / tokens if tokens else float("nan")}
+        if name.endswith("-shared"):
+            continue
+        systems_seen: set[tuple[int, ...]] = set()
+        repeated = 0
+        for record in records.values():  # tokens before the question: the shared system prompt
+            key = tuple(record.token_ids.tolist()[: min(config.system_prompt_tokens)])
+            if key in systems_seen:
+                repeated += min(config.system_prompt_tokens)
+            systems_seen.add(key)
+        stored_tokens = sum(record.num_tokens for record in records.values())
+        result[name]["repeated_prefix_share"] = repeated / stored_tokens if stored_tokens else float("nan")
     return result
 
 
@@ -303,14 +358,20 @@ def run(config: Config) -> dict[str, Any]:
          f"({passes['records_equal_ids']}/{passes['records_compared']} records with equal ids)"},
     ]
     for rate in config.live_rates:
-        entry = live[f"live{rate:g}"]
-        rows.append({"item": f"live {rate:.0%}: served throughput / no plugin (median)",
-                     "value": f"{entry['ratio']:.3f} (server CPU {entry['cpu_ratio']:.3f})"})
-        rows.append({"item": f"live {rate:.0%}: coverage (complete records / sampled)",
-                     "value": f"{entry['coverage']:.4f} ({entry['complete']}/{entry['sampled']})"})
-    rows.append({"item": "live: stored bytes per captured token", "value": f"{live['bytes_per_token']:,.0f}"})
-    rows.append({"item": "live: captured tokens repeating a stored system prompt",
-                 "value": f"{live['repeated_prefix_share']:.1%} (room for prefix de-duplication, not implemented)"})
+        for shared in (False, True):
+            name, label = f"live{rate:g}" + ("-shared" if shared else ""), f"live {rate:.0%}, " + (
+                f"shared prefixes in {config.prefix_block_tokens}-token blocks" if shared else "whole records")
+            entry = live[name]
+            rows.append({"item": f"{label}: served throughput / no plugin (median)",
+                         "value": f"{entry['ratio']:.3f} (server CPU {entry['cpu_ratio']:.3f})"})
+            rows.append({"item": f"{label}: coverage (complete records / sampled)",
+                         "value": f"{entry['coverage']:.4f} ({entry['complete']}/{entry['sampled']}, "
+                         f"{entry['unreadable']} unreadable)"})
+            rows.append({"item": f"{label}: stored bytes per captured token", "value": f"{entry['bytes_per_token']:,.0f}"})
+        whole, shared_entry = live[f"live{rate:g}"], live[f"live{rate:g}-shared"]
+        rows.append({"item": f"live {rate:.0%}: bytes per token, shared / whole",
+                     "value": f"{shared_entry['bytes_per_token'] / whole['bytes_per_token']:.3f} (goal <= {SHARED_BYTES_GOAL}; "
+                     f"{whole['repeated_prefix_share']:.1%} of whole records' tokens repeat a stored system prompt)"})
     notes = [
         f"part 1: {config.num_prompts} demo prompts, greedy answers of up to {config.max_new_tokens} tokens, "
         f"{config.rounds} rounds; the one-pass guess in the issue was {ONE_PASS_GUESS}, the bound is what a "
