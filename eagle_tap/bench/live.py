@@ -45,6 +45,7 @@ from eagle_tap.collector_process import CollectorProcess
 from eagle_tap.sglang_server import SGLangServer, ServerConfig, post_json
 from eagle_tap.tiny_model import TINY_MODEL_DIR
 from sglang_patch.selection import is_sampled
+from sglang_patch.stats import read_stats_file
 
 COLUMNS = [
     ["item", "measure", "s"],
@@ -309,6 +310,11 @@ def live_sampling(config: Config, work: Path, chat) -> dict[str, Any]:
             for name in capturing:  # generated tokens per second (greedy answers may differ a little in length)
                 row[f"{name}_ratio"] = (row[f"{name}_tokens"] / row[f"{name}_s"]) / (row["absent_tokens"] / row["absent_s"])
             rows.append(row)
+        # The plugin's own threads over the whole run (warm-up included): scheduler hook and sender.
+        plugin_cpu_s = {}
+        for name in capturing:
+            stats = read_stats_file(work / f"spool-{name}" / "dp0" / "stats.json", newer_than=time.time())
+            plugin_cpu_s[name] = (stats.get("hook_cpu_ns", 0) + stats.get("sender_cpu_ns", 0)) / 1e9
     finally:
         for server in servers.values():
             server.stop()
@@ -324,6 +330,7 @@ def live_sampling(config: Config, work: Path, chat) -> dict[str, Any]:
                         "cpu_ratio": statistics.median(row["absent_cpu_s"] / row[f"{name}_cpu_s"] for row in rows),
                         "sampled": len(ids), "complete": complete, "unreadable": unreadable,
                         "coverage": complete / len(ids) if ids else float("nan"),
+                        "plugin_cpu_share": plugin_cpu_s[name] / sum(row[f"{name}_cpu_s"] for row in rows),
                         # Warm-up records included: every byte of the shards per token of the records they serve.
                         "bytes_per_token": shard_bytes / tokens if tokens else float("nan")}
         if name.endswith("-shared"):
@@ -363,7 +370,8 @@ def run(config: Config) -> dict[str, Any]:
                 f"shared prefixes in {config.prefix_block_tokens}-token blocks" if shared else "whole records")
             entry = live[name]
             rows.append({"item": f"{label}: served throughput / no plugin (median)",
-                         "value": f"{entry['ratio']:.3f} (server CPU {entry['cpu_ratio']:.3f})"})
+                         "value": f"{entry['ratio']:.3f} (server CPU {entry['cpu_ratio']:.3f}; the plugin's "
+                         f"threads {entry['plugin_cpu_share']:.1%} of it)"})
             rows.append({"item": f"{label}: coverage (complete records / sampled)",
                          "value": f"{entry['coverage']:.4f} ({entry['complete']}/{entry['sampled']}, "
                          f"{entry['unreadable']} unreadable)"})
