@@ -8,12 +8,15 @@ bf16 noise per token (as in tests/test_capture_parity.py).
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import numpy as np
 import pytest
 import torch
 
 import capture_format as cf
 from capture_format.prefix_blocks import resolve_prefix
+from capture_format.tag import CaptureTag
 from capture_helpers import aux_as_float, final_as_float, read_stats, stored_record, wait_for
 from eagle_tap.sglang_server import post_json
 
@@ -75,17 +78,57 @@ def test_sampled_chats_keep_cache_hits_on_shared_blocks_and_resolve_to_the_model
     hf_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     for rid in rids:
         record = resolved_record(collector, f"live-{rid}")
-        assert record.num_states == record.num_tokens - 1 and record.states_prefix is None
-        ids = record.token_ids.tolist()
         usage = answers[rid]["usage"]
-        assert len(ids) == usage["prompt_tokens"] + usage["completion_tokens"]
-        with torch.no_grad():
-            hidden = hf_model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-        hidden = torch.stack([state[0] for state in hidden]).float().numpy()[:, : record.num_states]  # (L+1, S, H)
-        aux = aux_as_float(record)
-        for slot, layer in enumerate(record.capture_layers):
-            assert median_token_error(aux[:, slot], hidden[layer]) < BF16_MEDIAN_REL_TOL, (rid, layer)
-        assert median_token_error(final_as_float(record), hidden[-1]) < BF16_MEDIAN_REL_TOL, rid
+        assert record.num_tokens == usage["prompt_tokens"] + usage["completion_tokens"]
+        check_against_transformers(hf_model, record, rid)
+
+
+def check_against_transformers(hf_model, record: cf.CaptureRecord, what: str) -> None:
+    """A resolved generate-mode record holds the model's states of its ids, every layer, within bf16 noise."""
+    assert record.num_states == record.num_tokens - 1 and record.states_prefix is None, what
+    with torch.no_grad():
+        hidden = hf_model(torch.tensor([record.token_ids.tolist()]), output_hidden_states=True).hidden_states
+    hidden = torch.stack([state[0] for state in hidden]).float().numpy()[:, : record.num_states]  # (L+1, S, H)
+    aux = aux_as_float(record)
+    for slot, layer in enumerate(record.capture_layers):
+        assert median_token_error(aux[:, slot], hidden[layer]) < BF16_MEDIAN_REL_TOL, (what, layer)
+    assert median_token_error(final_as_float(record), hidden[-1]) < BF16_MEDIAN_REL_TOL, what
+
+
+def test_generations_retracted_under_kv_pressure_resolve_to_the_models_states(
+        start_sglang, tiny_model_dir, collector, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    spool_dir = tmp_path_factory.mktemp("spool-prefix-retract")
+    # SGLang's own test switch retracts running requests every few decode steps (as a full KV pool would).
+    server = start_sglang(tiny_model_dir, extra_args=("--chunked-prefill-size", "64"), env={
+        "EAGLE_TAP_COLLECTOR_URL": collector.url, "EAGLE_TAP_SPOOL_DIR": str(spool_dir),
+        "EAGLE_TAP_PREFIX_BLOCK_TOKENS": str(BLOCK), "SGLANG_TEST_RETRACT": "1"})
+    shared = list(range(900, 940))  # 40 tokens: two shared blocks
+    prompts = [shared + list(range(1000 + 20 * i, 1008 + 20 * i)) for i in range(6)]
+
+    def one(index: int) -> dict:
+        tag = CaptureTag(record_id=f"pretract-{index}", sample_id=f"pretract-{index}", loss_spans=(), mode="generate")
+        return post_json(f"{server.url}/generate", {"input_ids": prompts[index], "sampling_params": {
+            "max_new_tokens": 90, "temperature": 0, "custom_params": tag.to_custom_params()}})
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(one, range(len(prompts))))
+    stats = wait_for(lambda: (s := read_stats(spool_dir)).get("captured", 0) + sum(s.get("dropped", {}).values())
+                     >= len(prompts) and s, 60, "every generation to be captured or dropped")
+    assert "Testing retraction" in server.log_tail(2000), "SGLang should have retracted running requests"
+    assert stats.get("restarted", 0) >= 1, stats  # a retracted capture prefilled again from its first row
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    stored = 0
+    for index, answer in enumerate(answers):
+        try:
+            record = resolved_record(collector, f"pretract-{index}")
+        except AssertionError:
+            continue  # dropped and counted, never wrong
+        stored += 1
+        assert record.token_ids.tolist() == prompts[index] + answer["output_ids"]
+        check_against_transformers(hf_model, record, f"pretract-{index}")
+    assert stored >= 1 and stored + sum(stats.get("dropped", {}).values()) >= len(prompts)
 
 
 def test_a_record_whose_blocks_are_missing_is_skipped_by_readers_never_read_wrong(prefix_server, collector, tmp_path):
