@@ -14,7 +14,6 @@ import time
 import urllib.request
 import uuid
 
-import numpy as np
 import pytest
 
 from capture_format.tag import CaptureTag
