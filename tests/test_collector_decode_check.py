@@ -5,7 +5,6 @@ declared size), and frames that would decode to far more than they weigh. Throug
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import pytest
