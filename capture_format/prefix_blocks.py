@@ -4,8 +4,10 @@ Many requests a server sees start alike (a system prompt, the earlier turns of a
 of a token depend only on the tokens up to it, so the states of a shared prefix are the same in
 every record that starts with it, and can be stored once.
 
-Content key. `prefix_key(ids)` is 128 bits of BLAKE2b over a domain tag and the token ids as
-little-endian int32: it names exactly that token sequence, whatever record it came from.
+Content key. `prefix_key(ids, namespace)` is 128 bits of BLAKE2b over a domain tag, the namespace of
+the states (`states_namespace`: model fingerprint, capture layers, hidden size, dtype) and the token ids
+as little-endian int32: it names exactly the states of that token sequence from that model, whatever
+record they came from (two models capturing into one collector never share a block id).
 
 Prefix blocks. The capture plugin cuts each captured sequence at multiples of a block size B
 (`EAGLE_TAP_PREFIX_BLOCK_TOKENS`). The block ending at token b is an ordinary record with id
@@ -21,9 +23,10 @@ References. A record (or block) whose first P tokens' states lie in the block en
 Resolution (`resolve_prefix`), what every reader of shards does before handing a record out: follow
 the chain of blocks back to token 0 and join their rows in front of the record's own. What must hold:
 - a reference is followed only if it is the content key of the referring record's own first P
-  tokens, and a block is used only if its record id is that key's, it holds exactly those P token ids,
-  and it has the same model fingerprint, capture layers, hidden size and dtype: a resolved record is
-  never wrong, whatever the shards hold;
+  tokens (in its own namespace), and a block is used only if its record id is that key's, it holds P
+  token ids, those of its own rows equal the record's, and it has the same model fingerprint, capture
+  layers, hidden size and dtype: a resolved record is never wrong by accident, whatever the shards hold
+  (the checks cost O(T) per record, however long its chain);
 - a block that is missing (never stored, in a shard not read, a damaged shard) or fails a check makes
   the referring record unreadable: `DanglingPrefixError`, which readers count and skip like any other
   unreadable record;
@@ -52,7 +55,9 @@ __all__ = [
     "is_prefix_block",
     "prefix_key",
     "prefix_keys",
+    "record_namespace",
     "resolve_prefix",
+    "states_namespace",
 ]
 
 BLOCK_RECORD_PREFIX = "prefix-"
@@ -64,10 +69,19 @@ class DanglingPrefixError(CaptureFormatError):
     """A record refers to a shared prefix that cannot be read or does not match it: the record is skipped."""
 
 
-def prefix_keys(token_ids: Sequence[int] | np.ndarray, lengths: Sequence[int]) -> list[str]:
-    """`prefix_key(token_ids[:n])` for each n of lengths (increasing), hashing the ids once."""
+def states_namespace(model_fingerprint: str, capture_layers: Sequence[int], hidden_size: int, dtype: str) -> str:
+    """What, besides the token ids, decides the states a block holds."""
+    return f"{model_fingerprint}\0{','.join(map(str, capture_layers))}\0{hidden_size}\0{dtype}"
+
+
+def record_namespace(record: CaptureRecord) -> str:
+    return states_namespace(record.model_fingerprint, record.capture_layers, record.hidden_size, record.dtype)
+
+
+def prefix_keys(token_ids: Sequence[int] | np.ndarray, lengths: Sequence[int], namespace: str = "") -> list[str]:
+    """`prefix_key(token_ids[:n], namespace)` for each n of lengths (increasing), hashing the ids once."""
     ids = np.ascontiguousarray(token_ids, dtype=TOKEN_ID_DTYPE)
-    digest = hashlib.blake2b(_KEY_DOMAIN, digest_size=16)
+    digest = hashlib.blake2b(_KEY_DOMAIN + namespace.encode("utf-8", "surrogatepass") + b"\0", digest_size=16)
     keys, done = [], 0
     for length in lengths:
         if not done <= length <= len(ids):
@@ -78,9 +92,9 @@ def prefix_keys(token_ids: Sequence[int] | np.ndarray, lengths: Sequence[int]) -
     return keys
 
 
-def prefix_key(token_ids: Sequence[int] | np.ndarray) -> str:
-    """The content key of exactly these token ids (32 hex digits)."""
-    return prefix_keys(token_ids, [len(token_ids)])[0]
+def prefix_key(token_ids: Sequence[int] | np.ndarray, namespace: str = "") -> str:
+    """The content key of exactly these token ids in a namespace (32 hex digits)."""
+    return prefix_keys(token_ids, [len(token_ids)], namespace)[0]
 
 
 def block_record_id(key: str) -> str:
@@ -125,8 +139,11 @@ def _check_block(block: CaptureRecord | None, reference: StatesPrefix, ids: np.n
     where = f"record {record.record_id}: its shared prefix of {reference.num_tokens} tokens ({block_record_id(reference.key)})"
     if block is None:
         raise DanglingPrefixError(f"{where} is not in the shards read")
-    if block.num_tokens != reference.num_tokens or not np.array_equal(block.token_ids, ids[: reference.num_tokens]):
+    own = slice(block.first_state_token, reference.num_tokens)  # the tokens of the block's own rows
+    if block.num_tokens != reference.num_tokens or not np.array_equal(block.token_ids[own], ids[own]):
         raise DanglingPrefixError(f"{where} holds other token ids")
+    if block.num_states != block.num_tokens - block.first_state_token:
+        raise DanglingPrefixError(f"{where} lacks the state of its last token")
     for name in ("model_fingerprint", "capture_layers", "hidden_size", "dtype"):
         if getattr(block, name) != getattr(record, name):
             raise DanglingPrefixError(f"{where} has {name} {getattr(block, name)!r}; the record has "
@@ -139,26 +156,26 @@ def resolve_prefix(record: CaptureRecord, read_block: Callable[[str], CaptureRec
 
     read_block(record_id) returns the stored block of that id (as stored: it may refer further back)
     or None. A record without a reference is returned as it is. Raises DanglingPrefixError."""
-    reference = record.states_prefix
-    if reference is None:
+    if record.states_prefix is None:
         return record
     ids = record.token_ids
-    aux_parts, final_parts = [record.aux], [record.final]
-    while reference is not None:
-        if prefix_key(ids[: reference.num_tokens]) != reference.key:
-            raise DanglingPrefixError(f"record {record.record_id}: its shared prefix key {reference.key} is not "
+    references, blocks = [], []
+    reference = record.states_prefix
+    while reference is not None:  # num_tokens decreases strictly (records.py): the walk ends
+        references.append(reference)
+        blocks.append(_check_block(read_block(block_record_id(reference.key)), reference, ids, record))
+        reference = blocks[-1].states_prefix
+    # Every reference must be the key of the record's own first tokens; the ids are hashed once.
+    lengths = [reference.num_tokens for reference in reversed(references)]
+    for reference, key in zip(reversed(references), prefix_keys(ids, lengths, record_namespace(record))):
+        if reference.key != key:
+            raise DanglingPrefixError(f"record {record.record_id}: the shared prefix key {reference.key} is not "
                                       f"the key of its first {reference.num_tokens} tokens")
-        block = _check_block(read_block(block_record_id(reference.key)), reference, ids, record)
-        if block.num_states != block.num_tokens - block.first_state_token:
-            raise DanglingPrefixError(f"record {record.record_id}: block {block.record_id} lacks the state of its "
-                                      "last token")
-        aux_parts.append(block.aux)
-        final_parts.append(block.final)
-        reference = block.states_prefix
-    aux_parts.reverse()
-    final_parts.reverse()
+    blocks.reverse()
     return CaptureRecord(
         record_id=record.record_id, sample_id=record.sample_id, model_fingerprint=record.model_fingerprint,
         capture_layers=record.capture_layers, hidden_size=record.hidden_size, dtype=record.dtype,
-        token_ids=ids, loss_spans=record.loss_spans, aux=np.concatenate(aux_parts), final=np.concatenate(final_parts),
+        token_ids=ids, loss_spans=record.loss_spans,
+        aux=np.concatenate([block.aux for block in blocks] + [record.aux]),
+        final=np.concatenate([block.final for block in blocks] + [record.final]),
         metadata=record.metadata, schema_version=record.schema_version)

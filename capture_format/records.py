@@ -80,7 +80,8 @@ MAX_RECORD_RAW_NBYTES = 8 << 30
 """Bound on token_ids + aux + final bytes: a record must fit in one HTTP body and in memory."""
 
 PREFIX_KEY_PATTERN = re.compile(r"[0-9a-f]{32}", re.ASCII)
-"""A shared prefix's content key: 128 bits of BLAKE2b over its token ids (`prefix_blocks.prefix_key`)."""
+"""A shared prefix's content key: 128 bits of BLAKE2b over the states' namespace and its token ids
+(`prefix_blocks.prefix_key`)."""
 
 MAX_RECORD_ID_CHARS = 128
 MAX_SAMPLE_ID_CHARS = 256

@@ -119,14 +119,15 @@ class IndexedShards:
         return resolve_prefix(self.read_stored_record(entry), self._read_block)
 
     def _read_block(self, record_id: str) -> CaptureRecord | None:
-        cache = self.__dict__.get("_block_cache")
-        if cache is None:
-            cache = self.__dict__.setdefault("_block_cache", BlockCache())
-            self.__dict__.setdefault("_block_entries", {entry.record_id: entry for shard in self.shards
-                                                        for entry in shard.entries if is_prefix_block(entry.record_id)})
+        blocks = self.__dict__.get("_blocks")
+        if blocks is None:  # built whole, then published at once: threads may race to build it, never see half
+            entries = {entry.record_id: entry for shard in self.shards for entry in shard.entries
+                       if is_prefix_block(entry.record_id)}
+            blocks = self.__dict__.setdefault("_blocks", (BlockCache(), entries))
+        cache, entries = blocks
         block = cache.get(record_id)
         if block is None:
-            entry = self.__dict__["_block_entries"].get(record_id)
+            entry = entries.get(record_id)
             if entry is None:
                 return None
             block = self.read_stored_record(entry)

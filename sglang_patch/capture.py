@@ -186,6 +186,9 @@ class CaptureAssembler:
         for row, req in enumerate(reqs):
             partial = self._partials.get(req.rid)
             if partial is not None and partial.tag.mode == "generate":
+                if partial.rows_end < len(req.origin_input_ids):  # a prompt chunk never came: this row would
+                    self._abandon(req.rid, "missing_rows", now)  # take the place of one of its rows
+                    continue
                 taken.append((req, partial))
                 ranges.append((row, row + 1))
         if taken:

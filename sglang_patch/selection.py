@@ -19,9 +19,9 @@ already promised are reused: the request's radix-cache match is capped at the lo
 logprob requests), so its prefill computes every row past it while the cache serves the rest; the
 other blocks are promised now and sent with its capture. Its record refers to its last block and
 holds only the rows past it. The promises are first-in first-out (`MAX_KNOWN_BLOCKS`, not refreshed
-by use), so a block whose capture was lost (dropped under load, aborted before its prefill) is
-promised and sent again within one turn of the table: references to it dangle only until then, and a
-reader counts and skips them.
+by use), and every `REFRESH_AFTER_USES`-th request that would reuse a chain computes and sends it
+again, so a block whose capture was lost (dropped under load, aborted before its prefill) comes back
+after at most that many references to it, which dangle until then (a reader counts and skips them).
 
 What must hold:
 - the decision for a request is made once, here, and depends only on the settings and the request
@@ -54,6 +54,10 @@ HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RI
 MAX_WAITING = 65536
 MAX_KNOWN_BLOCKS = 16384
 """Block keys promised, first in first out: each block is sent again at least once per this many promises."""
+REFRESH_AFTER_USES = 64
+"""Every this-many-th request that would reuse a promised chain computes and sends it again instead, so a
+lost block (its capture dropped, or its request aborted before its prefill) leaves at most this many
+records dangling, however popular its prefix."""
 MAX_CAPS = 65536
 LIVE_SOURCE = "live"
 
@@ -67,7 +71,8 @@ class PrefixPlan:
     """Tokens whose states come from blocks already promised (0 or a multiple of block_tokens): the
     request's cache match is capped here and its capture holds the rows from here on."""
     keys: tuple[str, ...]
-    """Content keys of the prompt's first k * block_tokens tokens, k = 1, 2, ... (ends before its last token)."""
+    """Keys of the prompt's first k * block_tokens tokens, k = 1, 2, ... (ends before its last token), in
+    no namespace: this process's promises (the sender names the blocks in its model's namespace)."""
     sent_here: tuple[int, ...]
     """Ends of the blocks this capture sends (its own rows), increasing."""
 
@@ -75,9 +80,6 @@ class PrefixPlan:
     def record_prefix(self) -> int:
         """Tokens the record leaves to blocks: all of the prompt's blocks."""
         return len(self.keys) * self.block_tokens
-
-    def key(self, end: int) -> str:
-        return self.keys[end // self.block_tokens - 1]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -115,7 +117,7 @@ class Selector:
         self._ttl_s = ttl_s
         self._block_tokens = prefix_block_tokens
         self._waiting: collections.OrderedDict[str, Selection] = collections.OrderedDict()
-        self._known_blocks: collections.OrderedDict[str, None] = collections.OrderedDict()  # promised block keys
+        self._known_blocks: collections.OrderedDict[str, int] = collections.OrderedDict()  # promised key -> reuses
         self._caps: collections.OrderedDict[str, int] = collections.OrderedDict()  # rid -> cache match cap
         self.keep_decisions = True
         """False in a process that does not capture (another rank ships, or capture is off): requests are
@@ -136,6 +138,7 @@ class Selector:
         plan = self._plan_prefix(input_ids) if self._block_tokens and input_ids else None
         if plan is not None:  # the cache may serve its reused blocks, nothing past them (0: nothing)
             self._caps[rid] = plan.reused
+            self._caps.move_to_end(rid)
             while len(self._caps) > MAX_CAPS:
                 self._caps.popitem(last=False)
         else:
@@ -189,10 +192,20 @@ class Selector:
         ends = range(size, len(input_ids), size)  # blocks end before the last token: the record keeps a row
         keys = prefix_keys(input_ids, ends) if len(ends) else []
         known = self._known_blocks
-        reused = next((end for end, key in zip(reversed(ends), reversed(keys)) if key in known), 0)
-        sent_here = tuple(end for end, key in zip(ends, keys) if end > reused and key not in known)
+        longest = next((index for index in reversed(range(len(keys))) if keys[index] in known), None)
+        reused, refresh = 0, False
+        if longest is not None:
+            known[keys[longest]] += 1
+            refresh = known[keys[longest]] >= REFRESH_AFTER_USES
+            if refresh:  # this request computes and sends the whole chain again (a lost block comes back)
+                self._stats.add("prefix_chains_refreshed")
+            else:
+                reused = ends[longest]
+        sent_here = tuple(end for end, key in zip(ends, keys) if end > reused and (refresh or key not in known))
         for end in sent_here:
-            known[keys[end // size - 1]] = None
+            key = keys[end // size - 1]
+            known.pop(key, None)
+            known[key] = 0  # promised now: last out, no use yet
         while len(known) > MAX_KNOWN_BLOCKS:
             known.popitem(last=False)
         if reused:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from capture_format import CaptureRecord, StatesPrefix, encode_frame
-from capture_format.prefix_blocks import BLOCK_KIND, block_record_id, prefix_key
+from capture_format.prefix_blocks import BLOCK_KIND, block_record_id, prefix_key, prefix_keys, states_namespace
 from sglang_patch.capture import CapturedSequence
 from sglang_patch.delivery import CollectorClient, Verdict
 from sglang_patch.settings import CaptureSettings
@@ -79,18 +79,23 @@ def to_records(captured: CapturedSequence, model: ModelIdentity) -> list[Capture
     shared = {"model_fingerprint": model.model_fingerprint, "capture_layers": model.capture_layers,
               "hidden_size": model.hidden_size, "dtype": dtype_name}
     plan, first_row = captured.prefix, captured.first_row
+    keys: dict[int, str] = {}  # block end -> content key of the states of token_ids[:end] (this model's)
+    if plan is not None and plan.keys:
+        if prefix_key(token_ids[: plan.record_prefix]) != plan.keys[-1]:
+            raise ValueError("its token ids are not the prompt its shared-prefix blocks were planned on")
+        ends = range(plan.block_tokens, plan.record_prefix + 1, plan.block_tokens)
+        namespace = states_namespace(model.model_fingerprint, model.capture_layers, model.hidden_size, dtype_name)
+        keys = dict(zip(ends, prefix_keys(token_ids, ends, namespace)))
 
     def reference(end: int) -> StatesPrefix | None:
-        return StatesPrefix(plan.key(end), end) if end else None
+        return StatesPrefix(keys[end], end) if end else None
 
     records = []
     if plan is not None:
-        if plan.keys and prefix_key(token_ids[: plan.record_prefix]) != plan.keys[-1]:
-            raise ValueError("its token ids are not the prompt its shared-prefix blocks were planned on")
         for end in plan.sent_here:
             start = end - plan.block_tokens
             rows = slice(start - first_row, end - first_row)
-            block_id = block_record_id(plan.key(end))
+            block_id = block_record_id(keys[end])
             records.append(CaptureRecord(record_id=block_id, sample_id=block_id, token_ids=token_ids[:end],
                                          loss_spans=(), aux=aux[rows], final=final[rows],
                                          metadata={"kind": BLOCK_KIND}, states_prefix=reference(start), **shared))

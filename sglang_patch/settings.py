@@ -17,6 +17,7 @@ from typing import Annotated
 from capture_format import get_codec
 
 logger = logging.getLogger("eagle_tap.plugin")
+MIN_PREFIX_BLOCK_TOKENS = 16
 
 
 class CaptureSettings(BaseSettings):
@@ -49,9 +50,9 @@ class CaptureSettings(BaseSettings):
     the request id; 0 turns live capture off. Stores the token ids of users' requests: see the README."""
     prefix_block_tokens: int = Field(default=0, ge=0, le=1 << 16)
     """Shared prefixes stored once: captured prompts are cut into content-addressed blocks of this many
-    tokens, stored once and referred to by every record that starts with them, and a captured request
-    keeps the radix cache's hits on its reused blocks. 0: every record holds all its rows and a captured
-    request computes its whole prompt (its own cache namespace)."""
+    tokens (at least 16; 64 suits system prompts), stored once and referred to by every record that
+    starts with them, and a captured request keeps the radix cache's hits on its reused blocks. 0: every
+    record holds all its rows and a captured request computes its whole prompt (its own cache namespace)."""
     partial_ttl_s: float = Field(default=600.0, gt=0)
     """A chunked capture whose next chunk has not come within this time is dropped (e.g. an abort)."""
     send_timeout_s: float = Field(default=30.0, gt=0)
@@ -77,6 +78,14 @@ class CaptureSettings(BaseSettings):
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ValueError(f"must be an http(s) URL with a host, like http://127.0.0.1:8700; got {url!r}")
         return url.rstrip("/")
+
+    @field_validator("prefix_block_tokens")
+    @classmethod
+    def _check_block_tokens(cls, tokens: int) -> int:
+        if 0 < tokens < MIN_PREFIX_BLOCK_TOKENS:
+            raise ValueError(f"must be 0 (off) or at least {MIN_PREFIX_BLOCK_TOKENS} tokens (a block is a record of "
+                             f"its own; 64 suits system prompts); got {tokens}")
+        return tokens
 
     @field_validator("spool_dir")
     @classmethod

@@ -14,18 +14,25 @@ import pytest
 import torch
 
 import capture_format as cf
-from capture_format.prefix_blocks import BLOCK_KIND, DanglingPrefixError, prefix_key, prefix_keys, resolve_prefix
+from capture_format.prefix_blocks import (BLOCK_KIND, DanglingPrefixError, prefix_key, prefix_keys, resolve_prefix,
+                                          states_namespace)
 from capture_format.records import StatesPrefix
 from capture_format.shard_codecs import recode_shards
 from capture_format.tag import CaptureTag
 from sglang_patch.capture import CaptureAssembler
-from sglang_patch.selection import MAX_KNOWN_BLOCKS, Selector
+from sglang_patch.selection import MAX_KNOWN_BLOCKS, REFRESH_AFTER_USES, Selector
+from sglang_patch.settings import CaptureSettings
 from sglang_patch.sender import ModelIdentity, to_records
 from sglang_patch.stats import CaptureStats
 
 LAYERS = (1, 2)
 HIDDEN = 4
 BLOCK = 8
+SPACE = states_namespace("tiny@1", LAYERS, HIDDEN, "float32")  # the records' namespace
+
+
+def key_of(ids) -> str:
+    return prefix_key(ids, SPACE)
 
 
 def states_of(ids: list[int], first: int = 0, end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -39,7 +46,7 @@ def states_of(ids: list[int], first: int = 0, end: int | None = None) -> tuple[n
 def record(record_id: str, ids: list[int], *, prefix: int = 0, num_states: int | None = None, **fields) -> cf.CaptureRecord:
     end = len(ids) if num_states is None else prefix + num_states
     aux, final = states_of(ids, prefix, end)
-    reference = StatesPrefix(prefix_key(ids[:prefix]), prefix) if prefix else None
+    reference = StatesPrefix(key_of(ids[:prefix]), prefix) if prefix else None
     values = dict(record_id=record_id, sample_id=record_id, model_fingerprint="tiny@1", capture_layers=LAYERS,
                   hidden_size=HIDDEN, dtype="float32", token_ids=np.asarray(ids, dtype=np.int32), loss_spans=(),
                   aux=aux, final=final, states_prefix=reference)
@@ -49,7 +56,7 @@ def record(record_id: str, ids: list[int], *, prefix: int = 0, num_states: int |
 
 def block(ids: list[int], end: int) -> cf.CaptureRecord:
     start = end - BLOCK
-    return record(cf.block_record_id(prefix_key(ids[:end])), ids[:end], prefix=start, num_states=BLOCK,
+    return record(cf.block_record_id(key_of(ids[:end])), ids[:end], prefix=start, num_states=BLOCK,
                   metadata={"kind": BLOCK_KIND})
 
 
@@ -62,6 +69,10 @@ def test_a_prefix_key_names_exactly_its_token_ids():
     assert len(set(keys)) == 3 and all(len(key) == 32 for key in keys)
     assert prefix_key(IDS[:8]) != prefix_key([*IDS[:7], 999])
     assert prefix_key(np.asarray(IDS[:8], dtype=np.int32)) == prefix_key(IDS[:8])
+    # The same ids from another model, layer set, width or dtype name other states.
+    others = [states_namespace("tiny@2", LAYERS, HIDDEN, "float32"), states_namespace("tiny@1", (1, 3), HIDDEN, "float32"),
+              states_namespace("tiny@1", LAYERS, 8, "float32"), states_namespace("tiny@1", LAYERS, HIDDEN, "bfloat16")]
+    assert len({prefix_key(IDS[:8], space) for space in [SPACE, *others]}) == 5
 
 
 def test_a_record_with_a_shared_prefix_round_trips_through_a_frame_and_rejects_wrong_shapes():
@@ -75,7 +86,7 @@ def test_a_record_with_a_shared_prefix_round_trips_through_a_frame_and_rejects_w
     with pytest.raises(cf.InvalidRecordError, match="32 lowercase hex"):
         record("bad", IDS, states_prefix=StatesPrefix("XYZ", 24), aux=states_of(IDS, 24)[0], final=states_of(IDS, 24)[1])
     with pytest.raises(cf.InvalidRecordError, match="out of range"):
-        record("bad", IDS[:8], states_prefix=StatesPrefix(prefix_key(IDS[:8]), 8), aux=states_of(IDS, 0, 1)[0],
+        record("bad", IDS[:8], states_prefix=StatesPrefix(key_of(IDS[:8]), 8), aux=states_of(IDS, 0, 1)[0],
                final=states_of(IDS, 0, 1)[1])
 
 
@@ -102,16 +113,17 @@ def test_a_missing_or_mismatched_block_is_a_dangling_reference_never_a_wrong_rec
         resolve_prefix(record("r", IDS, prefix=24), blocks.get)
     # A block with the right id but other ids (a forged or corrupt store) is refused.
     other = [*IDS[:3], 7, *IDS[4:]]
-    forged = record(cf.block_record_id(prefix_key(IDS[:8])), other[:8], metadata={"kind": BLOCK_KIND})
+    forged = record(cf.block_record_id(key_of(IDS[:8])), other[:8], metadata={"kind": BLOCK_KIND})
     with pytest.raises(DanglingPrefixError, match="other token ids"):
         resolve_prefix(record("r", IDS, prefix=8), {forged.record_id: forged}.get)
-    # A reference that is not the key of the record's own tokens is refused before any block is read.
-    wrong = record("w", IDS, states_prefix=StatesPrefix(prefix_key(other[:8]), 8), aux=states_of(IDS, 8)[0],
+    # A reference that is not the key of the record's own tokens is refused, whatever block it names.
+    named = record(cf.block_record_id(key_of(other[:8])), IDS[:8], metadata={"kind": BLOCK_KIND})
+    wrong = record("w", IDS, states_prefix=StatesPrefix(key_of(other[:8]), 8), aux=states_of(IDS, 8)[0],
                    final=states_of(IDS, 8)[1])
     with pytest.raises(DanglingPrefixError, match="is not the key of its first 8 tokens"):
-        resolve_prefix(wrong, lambda record_id: pytest.fail("no block may be read"))
+        resolve_prefix(wrong, {named.record_id: named}.get)
     # A block of another model is refused.
-    foreign = record(cf.block_record_id(prefix_key(IDS[:8])), IDS[:8], model_fingerprint="other@2")
+    foreign = record(cf.block_record_id(key_of(IDS[:8])), IDS[:8], model_fingerprint="other@2")
     with pytest.raises(DanglingPrefixError, match="model_fingerprint"):
         resolve_prefix(record("r", IDS, prefix=8), {foreign.record_id: foreign}.get)
 
@@ -249,7 +261,7 @@ def test_a_generation_dropped_after_its_prefill_still_sends_the_blocks_it_promis
     assembler.on_finished([req])  # nothing generated: no record, but blocks 8 and 16
     assert stats.snapshot()["dropped"] == {"nothing_generated": 1}
     made = to_records(emitted.pop(), model)
-    assert [m.record_id for m in made] == [cf.block_record_id(prefix_key(ids[:8])), cf.block_record_id(prefix_key(ids[:16]))]
+    assert [m.record_id for m in made] == [cf.block_record_id(key_of(ids[:8])), cf.block_record_id(key_of(ids[:16]))]
 
 
 def test_records_are_refused_when_the_prompt_is_not_the_one_the_blocks_were_planned_on():
@@ -275,3 +287,33 @@ def test_the_trainer_reads_resolved_records_and_skips_a_dangling_one_by_name(tmp
     (batch,) = list(dataset)
     assert batch["record_ids"] == ["a"] and batch["skipped_record_ids"] == ["dangling"]
     assert torch.equal(batch["aux"][0, :29], torch.from_numpy(states_of(IDS)[0][:29].reshape(29, -1)))
+
+
+def test_every_64th_request_reusing_a_chain_computes_and_sends_it_again():
+    selector = prefix_selector()
+    ids = list(range(1000, 1020))
+    plans = []
+    for index in range(2 * REFRESH_AFTER_USES + 1):
+        selector.on_request(arrival(f"r{index}", ids))
+        plans.append(selector.take(f"r{index}").prefix)
+    refreshed = [index for index, plan in enumerate(plans) if plan.sent_here == (8, 16)]
+    assert refreshed == [0, REFRESH_AFTER_USES, 2 * REFRESH_AFTER_USES]
+    assert all(plan.reused == 16 and plan.sent_here == () for index, plan in enumerate(plans) if index not in refreshed)
+    assert selector.prefix_cap(f"r{REFRESH_AFTER_USES}") == 0  # the refreshing request computes its whole prompt
+
+
+def test_a_decode_row_after_a_missed_prompt_chunk_drops_the_capture_and_sends_no_block():
+    selector, assembler, emitted, stats, _ = plugin_parts()
+    ids = list(range(1000, 1020))
+    selector.on_request(arrival("holed", ids))
+    req = fake_req("holed", ids, [7, 8])
+    assembler.on_extend([req], [0], [12], *torch_rows(ids, 0, 12))  # the chunk [12, 20) never comes
+    assembler.on_decode([req], *torch_rows([*ids, 7], 20, 21))
+    assembler.on_finished([req])
+    assert stats.snapshot()["dropped"] == {"missing_rows": 1} and emitted == []
+
+
+def test_a_block_size_below_16_is_refused_by_name():
+    with pytest.raises(ValueError, match="at least 16 tokens"):
+        CaptureSettings(prefix_block_tokens=8)
+    assert CaptureSettings(prefix_block_tokens=0).prefix_block_tokens == 0

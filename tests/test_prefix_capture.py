@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import capture_format as cf
-from capture_format.prefix_blocks import resolve_prefix
+from capture_format.prefix_blocks import record_namespace, resolve_prefix
 from capture_format.tag import CaptureTag
 from capture_helpers import aux_as_float, final_as_float, read_stats, stored_record, wait_for
 from eagle_tap.sglang_server import post_json
@@ -139,7 +139,8 @@ def test_a_record_whose_blocks_are_missing_is_skipped_by_readers_never_read_wron
     assert record.token_ids.tolist() == list(range(600, 700)) + answer["output_ids"]
     assert record.first_state_token == 96  # 6 blocks of 16 before the last prompt token
     # A shard set holding the record but only some of its blocks: the reader refuses it, by name.
-    blocks = [stored_record(collector, cf.block_record_id(cf.prefix_key(list(range(600, 600 + end)))))
+    space = record_namespace(record)
+    blocks = [stored_record(collector, cf.block_record_id(cf.prefix_key(list(range(600, 600 + end)), space)))
               for end in range(BLOCK, 97, BLOCK)]
     cf.write_shards([*blocks[:3], *blocks[4:], record], tmp_path / "partial", records_per_shard=8)
     cf.write_shards([*blocks, record], tmp_path / "whole", records_per_shard=8)
