@@ -298,6 +298,11 @@ def live_sampling(config: Config, work: Path, chat) -> dict[str, Any]:
                 row[f"{name}_s"] = time.perf_counter() - started
                 row[f"{name}_cpu_s"] = tree_cpu_s(server.pid) - cpu
                 row[f"{name}_tokens"] = sum(len(answer["output_ids"]) for answer in answers)
+                # Prompt tokens the server computed (not served by its radix cache): a quiet measure of the
+                # prefill work capture adds, which the wall clock and CPU ratios only show through this
+                # machine's noise.
+                row[f"{name}_prefilled"] = sum(answer["meta_info"]["prompt_tokens"] - answer["meta_info"]["cached_tokens"]
+                                               for answer in answers)
                 if name in capturing:
                     rate, collector = capturing[name]
                     sampled = []
@@ -320,7 +325,8 @@ def live_sampling(config: Config, work: Path, chat) -> dict[str, Any]:
             server.stop()
         for _, collector in capturing.values():
             collector.stop()
-    result: dict[str, Any] = {"rounds": rows}
+    result: dict[str, Any] = {"rounds": rows, "absent_prefilled_per_request":
+                              sum(row["absent_prefilled"] for row in rows) / (len(rows) * config.live_requests)}
     for name, (rate, collector) in capturing.items():
         records, unreadable, shard_bytes, tokens = _stored(collector.data_dir, "live-")
         ids = sampled_by[name]
@@ -331,6 +337,8 @@ def live_sampling(config: Config, work: Path, chat) -> dict[str, Any]:
                         "sampled": len(ids), "complete": complete, "unreadable": unreadable,
                         "coverage": complete / len(ids) if ids else float("nan"),
                         "plugin_cpu_share": plugin_cpu_s[name] / sum(row[f"{name}_cpu_s"] for row in rows),
+                        "prefilled_per_request": sum(row[f"{name}_prefilled"] for row in rows)
+                        / (len(rows) * config.live_requests),
                         # Warm-up records included: every byte of the shards per token of the records they serve.
                         "bytes_per_token": shard_bytes / tokens if tokens else float("nan")}
         if name.endswith("-shared"):
@@ -372,6 +380,8 @@ def run(config: Config) -> dict[str, Any]:
             rows.append({"item": f"{label}: served throughput / no plugin (median)",
                          "value": f"{entry['ratio']:.3f} (server CPU {entry['cpu_ratio']:.3f}; the plugin's "
                          f"threads {entry['plugin_cpu_share']:.1%} of it)"})
+            rows.append({"item": f"{label}: prompt tokens computed per request (no plugin: "
+                         f"{live['absent_prefilled_per_request']:.1f})", "value": f"{entry['prefilled_per_request']:.1f}"})
             rows.append({"item": f"{label}: coverage (complete records / sampled)",
                          "value": f"{entry['coverage']:.4f} ({entry['complete']}/{entry['sampled']}, "
                          f"{entry['unreadable']} unreadable)"})
