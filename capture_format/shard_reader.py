@@ -10,6 +10,7 @@ and in forked loader workers.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -118,13 +119,15 @@ class IndexedShards:
         if one is missing or does not match)."""
         return resolve_prefix(self.read_stored_record(entry), self._read_block)
 
+    @functools.cached_property
+    def _blocks(self) -> tuple[BlockCache, dict[str, IndexEntry]]:
+        """A cache of the blocks read, and every prefix block's index entry by record id (on first use;
+        built whole before it is stored, so a thread never sees half of it)."""
+        return BlockCache(), {entry.record_id: entry for shard in self.shards for entry in shard.entries
+                              if is_prefix_block(entry.record_id)}
+
     def _read_block(self, record_id: str) -> CaptureRecord | None:
-        blocks = self.__dict__.get("_blocks")
-        if blocks is None:  # built whole, then published at once: threads may race to build it, never see half
-            entries = {entry.record_id: entry for shard in self.shards for entry in shard.entries
-                       if is_prefix_block(entry.record_id)}
-            blocks = self.__dict__.setdefault("_blocks", (BlockCache(), entries))
-        cache, entries = blocks
+        cache, entries = self._blocks
         block = cache.get(record_id)
         if block is None:
             entry = entries.get(record_id)
