@@ -9,8 +9,9 @@ Used by the tests (through a pytest fixture) and by the demo. What must hold:
 
 On a CPU machine (`device="cpu"`) the server gets SGLang's CPU engine, the flags that keep every layer
 on its native torch path, and import-only stand-ins for `sgl_kernel` and `torchvision` (no CPU build
-of either exists on PyPI) when the real packages are missing. A CPU with AMX tiles is refused: there
-SGLang routes layers to `sgl_kernel`'s AMX kernels, which a stand-in cannot provide. On a GPU machine
+of either exists on PyPI) when the real packages are missing. A CPU with AMX tiles runs too: SGLang takes
+its AMX kernels only when `torch.ops.sgl_kernel.convert_weight_packed` exists (`cpu_has_amx_support()`),
+which the stand-in never registers, so every layer stays on its native torch path. On a GPU machine
 nothing is added: a plain `pip install sglang==0.5.23` brings the real packages.
 
 With a draft (`ServerConfig.speculative`) the server runs EAGLE-3 chain drafting; the draft is checked
@@ -98,18 +99,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def cpu_has_amx_tiles() -> bool:
-    """True when the CPU advertises Intel AMX tiles (read from /proc/cpuinfo; no torch import)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return "amx_tile" in line.split()
-    except OSError:
-        pass
-    return False
-
-
 def _is_real_package(name: str) -> bool:
     spec = importlib.util.find_spec(name)
     return spec is not None and not str(spec.origin or "").startswith(str(CPU_STANDINS_DIR))
@@ -131,12 +120,6 @@ def server_environment(config: ServerConfig) -> dict[str, str]:
     """The environment the server process gets: ours, plus CPU settings and stand-ins where needed."""
     env = dict(os.environ)
     if config.device == "cpu":
-        if cpu_has_amx_tiles():
-            raise ServerStartError(
-                "refusing to start SGLang on a CPU with AMX tiles: SGLang would route layers to sgl_kernel's "
-                "AMX kernels, and this environment only has import-only stand-ins for sgl_kernel. "
-                "Install a real sgl_kernel CPU build or run on a CPU without AMX."
-            )
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         if stand_ins_needed():
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CPU_STANDINS_DIR), env.get("PYTHONPATH")]))

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -82,10 +83,20 @@ def test_failed_start_reports_the_log_and_leaves_nothing(tmp_path):
     assert server._process is None
 
 
-def test_cpu_with_amx_tiles_is_refused(monkeypatch, tmp_path):
-    monkeypatch.setattr(sglang_server, "cpu_has_amx_tiles", lambda: True)
-    with pytest.raises(ServerStartError, match="AMX tiles"):
-        sglang_server.server_environment(ServerConfig(model_path=tmp_path))
+def test_the_stand_ins_keep_sglang_off_its_amx_kernels_on_any_cpu():
+    """SGLang routes linear and MoE layers to sgl_kernel's AMX kernels when the CPU has AMX tiles *and*
+    `torch.ops.sgl_kernel.convert_weight_packed` exists; the stand-in registers no such op, so on a CPU with
+    AMX (like this project's machines now) as without, every layer takes its native torch path."""
+    if not sglang_server.stand_ins_needed():
+        pytest.skip("a real sgl_kernel is installed: its AMX kernels are real too")
+    env = sglang_server.server_environment(ServerConfig(model_path=Path(".")))
+    probe = ("import torch, sgl_kernel\n"
+             "from sglang.srt.utils.common import cpu_has_amx_support\n"
+             "assert not hasattr(torch.ops.sgl_kernel, 'convert_weight_packed')\n"
+             "print('amx', cpu_has_amx_support())\n")
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "amx False"
 
 
 def test_cpu_environment_adds_engine_and_stand_ins_only_for_cpu(tmp_path):
