@@ -10,6 +10,11 @@ In prefix mode (`selection.PrefixPlan`) a capture holds the rows from the end of
 blocks on (its first row): the cache may serve the tokens before it, and rows of tokens before it
 that a prefill computes anyway are skipped.
 
+On a replica that serves an EAGLE-3 draft (`speculative.py`) a decode step is a verify forward: `on_verify`
+copies each captured request's candidate rows (the accepted path's, `num_steps + 1`), and after the
+scheduler processed the step `on_verify_processed` keeps as many as the step accepted, in order, and
+notes the count; the record then carries them as `served_draft` metadata.
+
 A capture in "prefill" mode is emitted at the chunk that ends the prompt. One in "generate" mode
 (`capture_format.tag`) goes on taking one row per decode step and is emitted when its request
 finishes (`on_finished`, after the scheduler processed the batch): prompt + generated tokens, with
@@ -41,6 +46,7 @@ import torch
 from capture_format.tag import CaptureTag
 from sglang_patch.device_copy import HostCopier, HostRows, RowCopier, host_cat
 from sglang_patch.selection import PrefixPlan, Selection, Selector, is_sampled
+from sglang_patch.speculative import METADATA_KEY, SpecServing, served_draft_metadata, verified_steps
 from sglang_patch.stats import CaptureStats
 
 __all__ = ["CaptureAssembler", "CapturedSequence", "is_sampled"]
@@ -104,6 +110,12 @@ class _Partial:
     chunks: list[HostRows]
     num_rows: int
     updated_at: float
+    pending: list[HostRows] = dataclasses.field(default_factory=list)
+    """Verify steps' candidate rows, oldest first, until the scheduler says how many each step accepted."""
+    accepted: list[int] = dataclasses.field(default_factory=list)
+    """Draft tokens each verify step of this request accepted, in order."""
+    verify_ct_base: int | None = None
+    """SGLang's `req.spec_verify_ct` before this capture's first verify step."""
 
     @property
     def first_row(self) -> int:
@@ -115,7 +127,7 @@ class _Partial:
         return self.first_row + self.num_rows
 
     def release(self) -> None:
-        for chunk in self.chunks:
+        for chunk in (*self.chunks, *self.pending):
             chunk.release()
 
 
@@ -124,8 +136,11 @@ class CaptureAssembler:
 
     def __init__(self, *, stats: CaptureStats, emit: Callable[[CapturedSequence], None],
                  selector: Selector | None = None, partial_ttl_s: float = 600.0,
-                 copier: RowCopier | None = None) -> None:
+                 copier: RowCopier | None = None,
+                 served_draft: Callable[[], tuple[str, SpecServing] | None] | None = None) -> None:
         self._stats = stats
+        self._served_draft = served_draft or (lambda: None)
+        """(draft identity, how it drafts) on a replica that serves a draft; None on one without."""
         self._copier = copier or HostCopier()
         self._emit = emit
         self.selector = selector or Selector(stats=stats, sample_rate=1.0, live_sample_rate=0.0, ttl_s=partial_ttl_s)
@@ -195,6 +210,66 @@ class CaptureAssembler:
             self._copy(taken, ranges, aux, final, now, prefill=False)
         self._maybe_sweep(now)
 
+    def on_verify(self, reqs: list, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor,
+                  num_draft_tokens: int) -> None:
+        """Take the candidate rows of one verify forward (`speculative.py`): aux (bs * D, K*H), final (bs * D, H),
+        accept_index (bs, num_steps + 1) the accepted tree path's rows, -1 past its end, D = num_draft_tokens."""
+        now = time.monotonic()
+        taken: list[tuple[object, _Partial]] = []
+        positions: list[int] = []
+        for position, req in enumerate(reqs):
+            partial = self._partials.get(req.rid)
+            if partial is None or partial.tag.mode != "generate":
+                continue
+            if partial.rows_end < len(req.origin_input_ids):  # a prompt chunk never came
+                self._abandon(req.rid, "missing_rows", now)
+                continue
+            if partial.verify_ct_base is None:
+                partial.verify_ct_base = int(getattr(req, "spec_verify_ct", 0)) - len(partial.accepted)
+            taken.append((req, partial))
+            positions.append(position)
+        if taken:
+            width = accept_index.shape[1]
+            rows = torch.tensor(positions, dtype=torch.int64, device=accept_index.device)
+            # Top-k 1: the accepted path is the front of each block. Top-k > 1: SGLang has moved the path's aux
+            # rows to the front already, not the final states, which are gathered along the path itself.
+            front = (rows[:, None] * num_draft_tokens
+                     + torch.arange(width, dtype=torch.int64, device=rows.device)).reshape(-1)  # (n * width,)
+            path = accept_index[rows].to(torch.int64).clamp(min=0).reshape(-1)  # (n * width,)
+            aux_rows, final_rows = aux[front.to(aux.device)], final[path.to(final.device)]  # (n*width, K*H), (n*width, H)
+            ranges = [(index * width, (index + 1) * width) for index in range(len(taken))]
+            copied = self._copier.copy(aux_rows, final_rows, ranges)
+            if copied is None:
+                for req, _ in taken:
+                    self._abandon(req.rid, "host_buffers_full", now)
+            else:
+                for (req, partial), candidate in zip(taken, copied):
+                    partial.pending.append(candidate)
+                    partial.updated_at = now
+        self._maybe_sweep(now)
+
+    def on_verify_processed(self, reqs: list, num_correct_drafts: list[int]) -> None:
+        """After the scheduler processed a verify step: keep the rows of the tokens each captured request
+        accepted (SGLang's own per-request count), note the count, and check that rows and tokens still agree."""
+        now = time.monotonic()
+        for req, num_correct in zip(reqs, num_correct_drafts):
+            partial = self._partials.get(req.rid)
+            if partial is None or not partial.pending:
+                continue
+            candidate = partial.pending.pop(0)
+            # SGLang counts a step only for a request that was neither finished nor retracted before it.
+            if int(getattr(req, "spec_verify_ct", 0)) - partial.verify_ct_base <= len(partial.accepted):
+                candidate.release()
+                continue
+            kept = HostRows(aux=candidate.aux[: num_correct + 1], final=candidate.final[: num_correct + 1],
+                            ready=candidate.ready, lease=candidate.lease)
+            candidate.lease = None  # the lease moves to the rows kept
+            partial.chunks.append(kept)
+            partial.num_rows += num_correct + 1
+            partial.accepted.append(int(num_correct))
+            if not req.finished() and partial.rows_end != len(req.origin_input_ids) + len(req.output_ids) - 1:
+                self._abandon(req.rid, "misaligned", now)
+
     def on_finished(self, reqs: list) -> None:
         """After the scheduler processed a batch: emit (or drop) the generate captures whose request finished."""
         for req in reqs:
@@ -214,7 +289,7 @@ class CaptureAssembler:
 
     def _restart(self, partial: _Partial, now: float) -> None:
         partial.release()
-        partial.chunks, partial.num_rows, partial.updated_at = [], 0, now
+        partial.chunks, partial.pending, partial.num_rows, partial.updated_at = [], [], 0, now
 
     def _remove(self, rid: str) -> _Partial | None:
         partial = self._partials.pop(rid, None)
@@ -248,7 +323,7 @@ class CaptureAssembler:
         if spans and spans[-1][1] > len(token_ids):
             self._discard(partial, "spans_out_of_range")
             return
-        self._send(partial, token_ids, spans, len(token_ids), partial.tag.metadata)
+        self._send(partial, token_ids, spans, len(token_ids), self._with_served_draft(partial.tag.metadata, []))
 
     def _finish_generated(self, req, partial: _Partial) -> None:
         """The record of a finished request: prompt + generated tokens, states for all but the last."""
@@ -260,6 +335,9 @@ class CaptureAssembler:
         if getattr(finished, "matched", None) == "NaN happened":  # SGLang's finish on non-finite logits
             self._discard(partial, "nan")
             return
+        for candidate in partial.pending:  # steps after the finishing one (overlap scheduling)
+            candidate.release()
+        partial.pending.clear()
         prompt = list(req.origin_input_ids)
         generated = list(req.output_ids if req.finished_len is None else req.output_ids[: req.finished_len])
         if not generated:
@@ -280,8 +358,16 @@ class CaptureAssembler:
             spans = (*spans[:-1], (spans[-1][0], len(token_ids)))
         else:
             spans = (*spans, (len(prompt), len(token_ids)))
+        metadata = {**partial.tag.metadata, "finish_reason": _FINISH_REASONS.get(reason, reason)}
         self._send(partial, token_ids, spans, num_states,
-                   {**partial.tag.metadata, "finish_reason": _FINISH_REASONS.get(reason, reason)})
+                   self._with_served_draft(metadata, verified_steps(partial.accepted, len(generated))))
+
+    def _with_served_draft(self, metadata: dict, accepted: list[int]) -> dict:
+        served = self._served_draft()
+        if served is None:
+            return metadata
+        draft, spec = served
+        return {**metadata, METADATA_KEY: served_draft_metadata(draft=draft, spec=spec, accepted=accepted)}
 
     def _send(self, partial: _Partial, token_ids: list[int], spans: tuple[tuple[int, int], ...],
               num_states: int, metadata: dict) -> None:

@@ -11,6 +11,11 @@ The same object holds more hooks of the scheduler process (`plugin.py` registers
 `on_max_prefix_len`, AFTER `Req._compute_max_prefix_len` (in prefix mode, how much of a captured
 request the radix cache may serve), and `on_batch_processed`, AFTER `Scheduler.process_batch_result`
 (generate captures whose request finished are emitted).
+
+On a replica that serves an EAGLE-3 draft (`speculative.py`) the same hook takes the extend rows; the
+verify rows come through `on_spec_forward`, AFTER `EAGLEWorkerV2.forward_batch_generation`, and
+`on_batch_processed` keeps the accepted ones. `on_spec_forward_begin` (BEFORE it) computes the draft's
+identity when it is unknown: at the first forward, and after every weight update (`on_weights_updated`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import atexit
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +35,7 @@ from sglang_patch.device_copy import CudaRowCopier, HostCopier, RowCopier
 from sglang_patch.selection import Selector
 from sglang_patch.sender import ModelIdentity, Sender, record_dtype
 from sglang_patch.settings import CaptureSettings
+from sglang_patch.speculative import SpecCaptureRefused, SpecServing, draft_digest, spec_capture_layers, spec_serving
 from sglang_patch.spool import Spool, SpoolDirectoryError, check_private_directory
 from sglang_patch.stats import CaptureStats
 
@@ -59,6 +66,12 @@ class CaptureHook:
         self.sender: Sender | None = None
         self._disabled = False
         self._error_logged = False
+        self._spec: SpecServing | None = None
+        """How the server drafts, when this process captures on a replica that serves an EAGLE-3 draft."""
+        self._draft_identity: str | None = None
+        """Digest of the serving draft (config and weights); None until computed, and after a weight update."""
+        self._spec_worker: Any = None
+        """SGLang's speculative worker (`EAGLEWorkerV2`): the draft and target models are found through it."""
 
     def __call__(self, result: Any, worker: Any, batch: Any = None, *args: Any, **kwargs: Any) -> None:
         if self._disabled:
@@ -132,10 +145,71 @@ class CaptureHook:
         if self._disabled or self._assembler is None or batch is None or not self._assembler.generating:
             return None
         try:
+            batch_result = args[0] if args else kwargs.get("result")
+            num_correct = getattr(batch_result, "num_correct_drafts_per_req_cpu", None)
+            if self._spec is not None and num_correct is not None:
+                self._assembler.on_verify_processed(batch.reqs, num_correct)
             self._assembler.on_finished(batch.reqs)
         except Exception:
             self._count_error("finish")
         return None
+
+    def on_spec_forward_begin(self, worker: Any, batch: Any = None, *args: Any, **kwargs: Any) -> None:
+        """BEFORE `EAGLEWorkerV2.forward_batch_generation`: remember the speculative worker, whose draft the records
+        of this forward are identified by (`served_draft`)."""
+        self._spec_worker = worker
+        return None
+
+    def on_spec_forward(self, result: Any, worker: Any, batch: Any = None, *args: Any, **kwargs: Any) -> None:
+        """AFTER `EAGLEWorkerV2.forward_batch_generation`: hand a verify step's candidate rows to the assembler."""
+        if self._disabled or self._assembler is None or batch is None:
+            return None
+        try:
+            if self._draft_identity is None:
+                self.served_draft()  # identified at the first forward (SGLang's own health check), not at a record
+            if not self._assembler.generating:
+                return None
+            mode = batch.forward_mode
+            if mode.is_extend() or mode.is_idle() or getattr(batch, "is_extend_in_batch", False):
+                return None  # extend rows came through the target's own forward (__call__)
+            logits_output = result.logits_output
+            aux = getattr(logits_output, "hidden_states", None)
+            final = getattr(logits_output, "last_hidden_states", None)
+            accept_index = getattr(result, "accept_index", None)
+            if aux is None or final is None or accept_index is None:
+                self.stats.add("batches_without_states")
+                return None
+            started_ns, started_cpu_ns = time.perf_counter_ns(), time.thread_time_ns()
+            self._assembler.on_verify(batch.reqs, aux, final, accept_index, int(result.speculative_num_draft_tokens))
+            self.stats.add("hook_ns", time.perf_counter_ns() - started_ns)
+            self.stats.add("hook_cpu_ns", time.thread_time_ns() - started_cpu_ns)
+        except Exception:
+            self._count_error("verify")
+        return None
+
+    def on_weights_updated(self, result: Any, *args: Any, **kwargs: Any) -> None:
+        """AFTER a weight update of the scheduler (any selector): the draft may have changed; identify it again."""
+        self._draft_identity = None
+        return None
+
+    def served_draft(self) -> tuple[str, SpecServing] | None:
+        """(identity, how it drafts) for the records of a replica that serves a draft; None on one without.
+        The identity is computed here, on the scheduler's thread between forwards, when it is not known: for
+        the first record, and the first after a weight update."""
+        if self._spec is None:
+            return None
+        if self._draft_identity is None:
+            try:
+                started_ns = time.perf_counter_ns()
+                self._draft_identity = draft_digest(
+                    self._spec_worker.draft_worker.draft_runner.model, Path(self._spec.draft_path) / "config.json",
+                    shared_with=self._spec_worker.target_worker.model_runner.model)
+                logger.info("eagle-tap: serving draft %s identified as %s in %.0f ms", self._spec.draft_path,
+                            self._draft_identity, (time.perf_counter_ns() - started_ns) / 1e6)
+            except Exception:
+                self._count_error("draft identity")
+                return "unknown", self._spec
+        return self._draft_identity, self._spec
 
     def on_abort_output(self, result: Any, scheduler: Any, abort_req: Any = None, req: Any = None,
                         *args: Any, **kwargs: Any) -> None:
@@ -170,18 +244,34 @@ class CaptureHook:
     def _start(self, worker: Any) -> None:
         from sglang.srt.runtime_context import get_exec
 
+        from sglang.srt.runtime_context import get_spec
+
         features = get_exec().features  # the resolved settings, what the model runner itself reads
         layer_ids = features.return_aux_hidden_state_layer_ids
-        if features.aux_hidden_state_capture != "eagle3" or not layer_ids:
+        hf_config = getattr(worker.model_config, "hf_text_config", None) or worker.model_config.hf_config
+        architecture = (getattr(worker.model_config.hf_config, "architectures", None) or ["?"])[0]
+        spec = spec_serving(get_spec())
+        if features.aux_hidden_state_capture == "eagle3" and layer_ids:
+            capture_layers = capture_layers_from_sglang_ids(architecture, layer_ids, hf_config.num_hidden_layers)
+            source = "SGLang's aux capture (no draft)"
+        elif spec is not None:
+            try:
+                capture_layers = spec_capture_layers(spec, architecture, hf_config.num_hidden_layers,
+                                                     self._settings.capture_layers)
+            except SpecCaptureRefused as error:
+                self._disable(f"this server serves a draft it cannot capture under: {error}")
+                return
+            self._spec = spec
+            source = (f"the target's extend and verify forwards of EAGLE3 speculative decoding (draft "
+                      f"{spec.draft_path}, {spec.num_steps} steps, top-k {spec.topk}, "
+                      f"{spec.num_draft_tokens} draft tokens)")
+        else:
             self._disable("SGLang's aux hidden-state capture is off (see the log line of the resolution hook)")
             return
         if _parallel_rank("attn_tp_rank") != 0 or _parallel_rank("attn_cp_rank") != 0:
             self._disabled = True  # another rank of this group ships the same rows
             self.selector.keep_decisions = False  # (it still salts alike: see on_request)
             return
-        hf_config = getattr(worker.model_config, "hf_text_config", None) or worker.model_config.hf_config
-        architecture = (getattr(worker.model_config.hf_config, "architectures", None) or ["?"])[0]
-        capture_layers = capture_layers_from_sglang_ids(architecture, layer_ids, hf_config.num_hidden_layers)
         # The states come out in the dtype the model runs in; the codec must be able to store them.
         state_dtype = record_dtype(worker.model_config.dtype)
         if state_dtype is None:
@@ -208,8 +298,10 @@ class CaptureHook:
         self.sender = Sender(settings=self._settings, model=model, stats=self.stats, spool=spool,
                              stats_path=self._settings.stats_path or spool.directory / "stats.json")
         self._assembler = CaptureAssembler(stats=self.stats, emit=self.sender.submit, selector=self.selector,
-                                           partial_ttl_s=self._settings.partial_ttl_s, copier=copier)
+                                           partial_ttl_s=self._settings.partial_ttl_s, copier=copier,
+                                           served_draft=self.served_draft)
         self.stats.status = "capturing"
         atexit.register(self.sender.close)
-        logger.info("eagle-tap capturing layers %s (hidden %d, %s states, codec %s, %s) to %s", capture_layers,
-                    model.hidden_size, state_dtype, codec, model.model_fingerprint, self._settings.collector_url)
+        logger.info("eagle-tap capturing layers %s (hidden %d, %s states, codec %s, %s) from %s to %s",
+                    capture_layers, model.hidden_size, state_dtype, codec, model.model_fingerprint, source,
+                    self._settings.collector_url)

@@ -18,7 +18,12 @@ does nothing. Otherwise, on a tested SGLang version, it registers:
    `Scheduler.process_batch_result`, which emits generate captures whose request finished, and one on
    `Scheduler.send_abort_output`, which frees the capture of a request ended outside a batch;
 4. with `EAGLE_TAP_PREFIX_BLOCK_TOKENS` > 0, an AFTER hook on `Req._compute_max_prefix_len`, which caps
-   the radix-cache match of a captured request where its reused shared-prefix blocks end.
+   the radix-cache match of a captured request where its reused shared-prefix blocks end;
+5. for a server that serves an EAGLE-3 draft (`speculative.py`): no flag is declared (the target already
+   captures the draft's aux layers); BEFORE and AFTER hooks on `EAGLEWorkerV2.forward_batch_generation`
+   take the verify steps' rows, an AFTER hook on `LogitsProcessor.__init__` keeps the target's post-norm
+   final state, and AFTER hooks on the scheduler's weight updates make the draft be identified again.
+   A speculative server the plugin cannot capture correctly is refused with one log line, served unchanged.
 
 Nothing here raises into SGLang: every failure is logged, counted and turns capture off, never serving.
 """
@@ -38,6 +43,7 @@ from capture_format import (
 )
 from sglang_patch import SUPPORTED_SGLANG_VERSIONS
 from sglang_patch.settings import CaptureSettings, load_settings
+from sglang_patch.speculative import SpecCaptureRefused, spec_capture_layers, spec_serving
 
 logger = logging.getLogger("eagle_tap.plugin")
 
@@ -46,6 +52,12 @@ REQUEST_TARGET = "sglang.srt.managers.scheduler.Scheduler.handle_generate_reques
 PROCESSED_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 ABORT_TARGET = "sglang.srt.managers.scheduler.Scheduler.send_abort_output"
 PREFIX_CAP_TARGET = "sglang.srt.managers.schedule_batch.Req._compute_max_prefix_len"
+SPEC_FORWARD_TARGET = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation"
+LOGITS_INIT_TARGET = "sglang.srt.layers.logits_processor.LogitsProcessor.__init__"
+WEIGHT_UPDATE_TARGETS = tuple(
+    f"sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.{method}"
+    for method in ("update_weights_from_disk", "update_weights_from_distributed", "update_weights_from_tensor",
+                   "update_weights_from_ipc"))
 RESOLUTION_STEP = "handle_return_hidden_states_mode"
 
 _registered = False
@@ -81,6 +93,11 @@ def register() -> None:
         HookRegistry.register(ABORT_TARGET, hook.on_abort_output, HookType.AFTER)
         if settings.prefix_block_tokens:
             HookRegistry.register(PREFIX_CAP_TARGET, hook.on_max_prefix_len, HookType.AFTER)
+        HookRegistry.register(SPEC_FORWARD_TARGET, hook.on_spec_forward_begin, HookType.BEFORE)
+        HookRegistry.register(SPEC_FORWARD_TARGET, hook.on_spec_forward, HookType.AFTER)
+        HookRegistry.register(LOGITS_INIT_TARGET, keep_final_state_under_eagle3, HookType.AFTER)
+        for target in WEIGHT_UPDATE_TARGETS:
+            HookRegistry.register(target, hook.on_weights_updated, HookType.AFTER)
         logger.info("eagle-tap capture plugin registered; collector %s", settings.collector_url)
     except Exception:
         logger.exception("eagle-tap capture disabled: the plugin failed to register; serving is unaffected")
@@ -112,9 +129,15 @@ def enable_aux_capture(server_args: Any, previous, *, settings: CaptureSettings)
             if settings.capture_layers and list(settings.capture_layers) != layers:
                 logger.warning("eagle-tap: EAGLE_TAP_CAPTURE_LAYERS=%s ignored: the server flags capture layers %s",
                                settings.capture_layers, layers)
-        elif cfg.speculative_draft_model_path is not None:
-            logger.error("eagle-tap capture disabled: this server runs speculative decoding with a draft; "
-                         "capture from a replica without one")
+        elif cfg.speculative_draft_model_path is not None or spec_serving(cfg) is not None:
+            spec = spec_serving(cfg)
+            try:
+                layers = spec_capture_layers(spec, architecture, num_layers, settings.capture_layers)
+                logger.info("eagle-tap: capturing the inputs of layers %s of %s (%d layers) from the target's "
+                            "forwards of EAGLE3 speculative decoding with the draft %s", layers, architecture,
+                            num_layers, spec.draft_path)
+            except SpecCaptureRefused as error:
+                logger.error("eagle-tap capture disabled: %s; serving continues without capture", error)
         else:
             layers = settings.capture_layers or default_capture_layers(num_layers)
             ids = capture_layers_to_sglang_ids(architecture, layers, num_layers)
@@ -128,3 +151,18 @@ def enable_aux_capture(server_args: Any, previous, *, settings: CaptureSettings)
         logger.error("eagle-tap capture disabled: %s: %s; serving continues without capture",
                      type(error).__name__, error)
     previous(server_args)
+
+
+def keep_final_state_under_eagle3(result: Any, logits_processor: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER `LogitsProcessor.__init__`: on a server that serves an EAGLE-3 draft, keep the post-norm final state
+    next to the aux states, as SGLang's capture-only mode does (a reference to the forward's own tensor)."""
+    try:
+        from sglang.srt.runtime_context import get_spec
+
+        spec = spec_serving(get_spec())
+        if spec is not None and spec.algorithm == "EAGLE3":
+            logits_processor.keep_last_hidden_states = True
+    except Exception:
+        logger.exception("eagle-tap: cannot keep the final state; records of this server will be dropped as "
+                         "batches_without_states")
+    return None
