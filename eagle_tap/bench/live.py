@@ -80,12 +80,14 @@ class Config:
         return cls(num_prompts=16, rounds=2, live_requests=32)
 
 
-def _parallel(function, items, concurrency: int) -> list:
+def parallel(function, items, concurrency: int) -> list:
+    """[function(item) for item in items], at most `concurrency` at a time."""
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(function, items))
 
 
-def _chat():
+def chat_tokenizer():
+    """The tiny target's tokenizer with its chat template."""
     from client.spans import ChatTokenizer
 
     return ChatTokenizer.from_pretrained(TINY_MODEL_DIR)
@@ -104,8 +106,9 @@ def demo_prompts(chat, num_prompts: int) -> list[list[int]]:
     return prompts
 
 
-def _generate(server: SGLangServer, ids: list[int], max_new_tokens: int, *, tag: CaptureTag | None = None,
-              rid: str | None = None, salt: bool = True) -> dict:
+def generate(server: SGLangServer, ids: list[int], max_new_tokens: int, *, tag: CaptureTag | None = None,
+             rid: str | None = None, salt: bool = True) -> dict:
+    """The server's answer to one greedy /generate request (a fresh cache salt unless salt=False)."""
     sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": 0}
     if tag is not None:
         sampling["custom_params"] = tag.to_custom_params()
@@ -150,23 +153,23 @@ def one_pass_vs_two(config: Config, work: Path, chat) -> dict[str, Any]:
     rounds, stored = [], 0
     try:
         server.start()
-        _parallel(lambda ids: _generate(server, ids, 4), prompts[:4], config.concurrency)  # warm-up
+        parallel(lambda ids: generate(server, ids, 4), prompts[:4], config.concurrency)  # warm-up
         for number in range(config.rounds):
             started, cpu = time.perf_counter(), tree_cpu_s(server.pid)
             tags = [CaptureTag(record_id=f"one-{number}-{i}", sample_id=f"s{i}", loss_spans=(), mode="generate")
                     for i in range(len(prompts))]
-            one = _parallel(lambda i: _generate(server, prompts[i], config.max_new_tokens, tag=tags[i]),
-                            range(len(prompts)), config.concurrency)
+            one = parallel(lambda i: generate(server, prompts[i], config.max_new_tokens, tag=tags[i]),
+                           range(len(prompts)), config.concurrency)
             stored += len(prompts)
             wait_stored(collector, stored)
             one_s, one_cpu = time.perf_counter() - started, tree_cpu_s(server.pid) - cpu
 
             started, cpu = time.perf_counter(), tree_cpu_s(server.pid)
-            answers = _parallel(lambda ids: _generate(server, ids, config.max_new_tokens), prompts, config.concurrency)
+            answers = parallel(lambda ids: generate(server, ids, config.max_new_tokens), prompts, config.concurrency)
             generate_s, generate_cpu = time.perf_counter() - started, tree_cpu_s(server.pid) - cpu
             started, cpu = time.perf_counter(), tree_cpu_s(server.pid)
             sequences = [ids + answer["output_ids"] for ids, answer in zip(prompts, answers)]
-            _parallel(lambda i: _generate(server, sequences[i], 0, tag=CaptureTag(
+            parallel(lambda i: generate(server, sequences[i], 0, tag=CaptureTag(
                 record_id=f"two-{number}-{i}", sample_id=f"s{i}", loss_spans=((len(prompts[i]), len(sequences[i])),))),
                 range(len(prompts)), config.concurrency)
             stored += len(prompts)
@@ -225,7 +228,7 @@ def _record_exists(collector: CollectorProcess, record_id: str) -> bool:
         raise
 
 
-def _wait_records(collector: CollectorProcess, record_ids: list[str], timeout_s: float = 120.0) -> None:
+def wait_records(collector: CollectorProcess, record_ids: list[str], timeout_s: float = 120.0) -> None:
     """Until the collector holds every one of record_ids (blocks a record refers to are sent before it)."""
     started, waiting = time.perf_counter(), list(record_ids)
     while waiting:
@@ -236,7 +239,7 @@ def _wait_records(collector: CollectorProcess, record_ids: list[str], timeout_s:
             time.sleep(0.02)
 
 
-def _stored(data_dir: Path, prefix: str) -> tuple[dict[str, Any], int, int, int]:
+def stored_records(data_dir: Path, prefix: str) -> tuple[dict[str, Any], int, int, int]:
     """(records whose id starts with prefix, resolved; how many could not be read; shard bytes; record tokens)."""
     import capture_format as cf
 
@@ -251,6 +254,13 @@ def _stored(data_dir: Path, prefix: str) -> tuple[dict[str, Any], int, int, int]
                 except cf.CaptureFormatError:
                     unreadable += 1
     return records, unreadable, shard_bytes, tokens
+
+
+def count_complete(records: dict[str, Any], expected: dict[str, list[int]], record_ids: list[str]) -> int:
+    """How many of record_ids read back complete: stored, token ids = expected (prompt + answer), and a state
+    for every token but the last."""
+    return sum(record_id in records and records[record_id].token_ids.tolist() == expected[record_id]
+               and records[record_id].num_states == len(expected[record_id]) - 1 for record_id in record_ids)
 
 
 def live_servers(config: Config, work: Path) -> tuple[dict[str, SGLangServer], dict[str, tuple[float, CollectorProcess]]]:
@@ -283,18 +293,18 @@ def live_sampling(config: Config, work: Path, chat) -> dict[str, Any]:
             server.start()
         for name, server in servers.items():  # warm-up: one request per system prompt
             warm = live_workload(chat, config, 999, f"warm{name}")[:4]
-            _parallel(lambda item: _generate(server, item[1], 4, rid=item[0], salt=False), warm, config.concurrency)
+            parallel(lambda item: generate(server, item[1], 4, rid=item[0], salt=False), warm, config.concurrency)
             if name in capturing:
                 rate, collector = capturing[name]
-                _wait_records(collector, [f"live-{rid}" for rid, _ in warm if is_sampled(rid, rate)])
+                wait_records(collector, [f"live-{rid}" for rid, _ in warm if is_sampled(rid, rate)])
         for number in range(config.rounds):
             order = list(servers) if number % 2 == 0 else list(reversed(servers))
             row: dict[str, Any] = {"round": number}
             for name in order:
                 server, workload = servers[name], live_workload(chat, config, number, name)
                 cpu, started = tree_cpu_s(server.pid), time.perf_counter()
-                answers = _parallel(lambda item: _generate(server, item[1], config.live_max_new_tokens, rid=item[0],
-                                                           salt=False), workload, config.concurrency)
+                answers = parallel(lambda item: generate(server, item[1], config.live_max_new_tokens, rid=item[0],
+                                                         salt=False), workload, config.concurrency)
                 row[f"{name}_s"] = time.perf_counter() - started
                 row[f"{name}_cpu_s"] = tree_cpu_s(server.pid) - cpu
                 row[f"{name}_tokens"] = sum(len(answer["output_ids"]) for answer in answers)
@@ -311,7 +321,7 @@ def live_sampling(config: Config, work: Path, chat) -> dict[str, Any]:
                             expected[f"live-{rid}"] = ids + answer["output_ids"]
                             sampled.append(f"live-{rid}")
                     sampled_by[name] += sampled
-                    _wait_records(collector, sampled)
+                    wait_records(collector, sampled)
             for name in capturing:  # generated tokens per second (greedy answers may differ a little in length)
                 row[f"{name}_ratio"] = (row[f"{name}_tokens"] / row[f"{name}_s"]) / (row["absent_tokens"] / row["absent_s"])
             rows.append(row)
@@ -328,10 +338,9 @@ def live_sampling(config: Config, work: Path, chat) -> dict[str, Any]:
     result: dict[str, Any] = {"rounds": rows, "absent_prefilled_per_request":
                               sum(row["absent_prefilled"] for row in rows) / (len(rows) * config.live_requests)}
     for name, (rate, collector) in capturing.items():
-        records, unreadable, shard_bytes, tokens = _stored(collector.data_dir, "live-")
+        records, unreadable, shard_bytes, tokens = stored_records(collector.data_dir, "live-")
         ids = sampled_by[name]
-        complete = sum(record_id in records and records[record_id].token_ids.tolist() == expected[record_id]
-                       and records[record_id].num_states == len(expected[record_id]) - 1 for record_id in ids)
+        complete = count_complete(records, expected, ids)
         result[name] = {"rate": rate, "ratio": statistics.median(row[f"{name}_ratio"] for row in rows),
                         "cpu_ratio": statistics.median(row["absent_cpu_s"] / row[f"{name}_cpu_s"] for row in rows),
                         "sampled": len(ids), "complete": complete, "unreadable": unreadable,
@@ -357,7 +366,7 @@ def live_sampling(config: Config, work: Path, chat) -> dict[str, Any]:
 
 def run(config: Config) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="eagle-tap-bench-live-"))
-    chat = _chat()
+    chat = chat_tokenizer()
     try:
         passes = one_pass_vs_two(config, work, chat)
         live = live_sampling(config, work, chat)
