@@ -38,14 +38,16 @@ from pathlib import Path
 from typing import Any
 
 from capture_format import capture_layers_from_sglang_ids
+from capture_format.served_draft import METADATA_KEY, STEP_DIGITS, decode_steps
+
+__all__ = ["METADATA_KEY", "MAX_STEPS_LISTED", "SpecCaptureRefused", "SpecServing", "accepted_from_metadata",
+           "draft_digest", "draft_layer_ids", "served_draft_metadata", "spec_capture_layers", "spec_serving",
+           "verified_steps"]
 
 logger = logging.getLogger("eagle_tap.plugin")
 
-METADATA_KEY = "served_draft"
-"""Record metadata key of the serving draft's signal (see `served_draft_metadata`)."""
 MAX_STEPS_LISTED = 32_768
 """Past this many verify steps a record keeps the per-position counts, not one digit per step (metadata <= 64 KiB)."""
-_DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
 
 
 class SpecCaptureRefused(ValueError):
@@ -153,7 +155,8 @@ def verified_steps(accepted: list[int], num_generated: int) -> list[int]:
 
 
 def served_draft_metadata(*, draft: str, spec: SpecServing, accepted: list[int]) -> dict:
-    """The record's `served_draft` metadata: who drafted, how, and what each verify step of it accepted.
+    """The record's `served_draft` metadata (its layout and how readers pool it: capture_format/served_draft.py):
+    who drafted, how, and what each verify step of it accepted.
 
     `accepted_per_step`: one base-36 digit per verify step, the draft tokens it accepted (top-k 1: the
     first that many draft positions were right, the next one wrong unless all were accepted);
@@ -163,12 +166,12 @@ def served_draft_metadata(*, draft: str, spec: SpecServing, accepted: list[int])
                 "num_draft_tokens": spec.num_draft_tokens, "verify_steps": len(accepted),
                 "accepted_drafts": sum(accepted),
                 "accepted_at_position": [sum(count > position for count in accepted) for position in range(depth)]}
-    if len(accepted) <= MAX_STEPS_LISTED and all(0 <= count < len(_DIGITS) for count in accepted):
-        metadata["accepted_per_step"] = "".join(_DIGITS[count] for count in accepted)
+    if len(accepted) <= MAX_STEPS_LISTED and all(0 <= count < len(STEP_DIGITS) for count in accepted):
+        metadata["accepted_per_step"] = "".join(STEP_DIGITS[count] for count in accepted)
     return metadata
 
 
 def accepted_from_metadata(metadata: dict) -> list[int] | None:
     """The per-step accepted drafts of a record's `served_draft` metadata, or None where it lists none."""
     steps = metadata.get("accepted_per_step")
-    return None if steps is None else [_DIGITS.index(digit) for digit in steps]
+    return None if steps is None else decode_steps(steps)
