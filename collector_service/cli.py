@@ -189,8 +189,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                                        "list the codecs (lossy ones with their measured error); DIR may be s3://bucket/prefix")
     _add_shards_folder(verify)
     verify.set_defaults(run=_shards_verify)
-    stats = shard_commands.add_parser("stats", help="print shards, records, tokens, bytes, compression ratio and the "
-                                      "codecs (lossy ones with their measured error); DIR may be s3://bucket/prefix (indexes only)")
+    stats = shard_commands.add_parser("stats", help="print shards, records, tokens, bytes, compression ratio, the "
+                                      "codecs (lossy ones with their measured error) and the acceptance of the drafts "
+                                      "that served the records; DIR may be s3://bucket/prefix (indexes only)")
     _add_shards_folder(stats)
     stats.set_defaults(run=_shards_stats)
     repair = shard_commands.add_parser(

@@ -2,6 +2,8 @@
 directories (capture_format only).
 
 verify and stats also read an object-store prefix (s3://bucket/prefix) the collector uploads to.
+stats on a folder also pools the acceptance of the drafts that served the records (`served_draft`
+metadata, capture_format/served_draft.py), read from frame headers: the index holds no metadata.
 
 verify: every sealed shard against its index and every record's checksums (decoding it), indexes
 without a shard, and record ids stored twice. Open shards are listed, not read: the collector
@@ -23,6 +25,8 @@ from pathlib import Path
 from typing import TextIO
 
 from capture_format import (
+    CaptureFormatError,
+    InvalidRecordError,
     ShardDirectory,
     ShardError,
     is_remote,
@@ -40,6 +44,7 @@ from capture_format.shard_index import (
     list_shard_files,
     shard_stem,
 )
+from capture_format.served_draft import ServedDraft, pool_served_drafts, tally_header, tally_rows
 from capture_format.tables import text_table
 
 __all__ = ["print_stats", "recode_directory", "repair_directory", "verify_directory"]
@@ -149,7 +154,8 @@ def _verify_remote(url: str, *, out: TextIO) -> bool:
 
 
 def print_stats(data_dir: Path | str, *, out: TextIO) -> None:
-    """Prints totals over the readable sealed shards: records, tokens, bytes, compression; damaged ones by name.
+    """Prints totals over the readable sealed shards: records, tokens, bytes, compression; damaged ones by name;
+    for a folder, the codecs and the served drafts' acceptance (read from frame headers, no tensor decoded).
     data_dir may be an s3://bucket/prefix (its indexes are read, no shard)."""
     with open_shard_directory(data_dir, skip_damaged=True) as shards:
         raw_nbytes = sum(shard.raw_nbytes for shard in shards.shards)
@@ -174,10 +180,40 @@ def print_stats(data_dir: Path | str, *, out: TextIO) -> None:
     print(text_table(rows, align="<<"), file=out)
     for line in damaged:
         print(line, file=out)
-    if is_remote(data_dir):  # the codecs live in the frame headers, which stats does not fetch from a bucket
-        print("codecs: not listed for an object store (stats reads its indexes only)", file=out)
+    if is_remote(data_dir):  # codecs and metadata live in the frame headers, which stats does not fetch from a bucket
+        print("codecs: not listed for an object store, nor the drafts that served records (stats reads its "
+              "indexes only)", file=out)
         return
     for problem in _print_codecs(data_dir, out):
+        print(f"  {problem}", file=out)
+    _print_served_drafts(data_dir, out)
+
+
+def _print_served_drafts(data_dir: Path, out: TextIO) -> None:
+    """The served acceptance of each draft that served the records, pooled; nothing when no record carries one."""
+    served, problems = [], []
+    with ShardDirectory(data_dir, skip_damaged=True) as shards:
+        for entry in shards.iter_index():
+            try:
+                metadata = shards.read_header(entry).metadata
+            except CaptureFormatError:
+                continue  # a header that does not read is named among the codecs' problems above
+            try:
+                served.append(ServedDraft.from_metadata(metadata))
+            except InvalidRecordError as err:
+                problems.append(f"{entry.shard_path.name} record {entry.record_id}: {err}")
+    tallies, num_without_draft = pool_served_drafts(served)
+    if not tallies and not problems:
+        return
+    print("served drafts: what the drafts serving the records achieved on their generations, as SGLang counts it",
+          file=out)
+    header = tally_header(tallies)
+    print(text_table(tally_rows(tallies), header=header, align="<<<" + ">" * (len(header) - 3), indent="  "),
+          file=out)
+    print(f"  records captured without a draft: {num_without_draft:,}", file=out)
+    print("  (acceptance length: tokens per verify step, pooled over the records' steps; position j: share of "
+          "verify steps that accepted draft token j)", file=out)
+    for problem in problems:
         print(f"  {problem}", file=out)
 
 
