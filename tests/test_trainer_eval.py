@@ -6,13 +6,18 @@ import json
 import sys
 from pathlib import Path
 
+import dataclasses
+
+import pytest
 import torch
 
+import capture_format as cf
 from eagle_tap.cli import main
 from trainer import evaluate
 
 sys.path.insert(0, str(Path(__file__).parent))
 import trainer_data  # noqa: E402
+from test_capture_format_served_draft import DRAFT_A, DRAFT_B, SERVING_A, SERVING_B, served  # noqa: E402
 from test_trainer_export import trained_run  # noqa: E402
 
 
@@ -106,3 +111,44 @@ def test_eval_refuses_records_the_run_trained_on(tmp_path: Path, capsys) -> None
     training_shards = trainer_data.prepared_inputs()["train_shards"]
     assert main(["eval", "--checkpoint", str(run), "--shards", str(training_shards), "--out", str(tmp_path)]) == 2
     assert "were in the run's training records" in capsys.readouterr().err
+
+
+def test_eval_reports_what_the_serving_draft_achieved_on_exactly_the_records_evaluated(tmp_path: Path) -> None:
+    with cf.ShardDirectory(trainer_data.prepared_inputs()["heldout_shards"]) as shards:
+        records = [shards.read_record(entry) for entry in shards.iter_index()]
+    # Batches of 4 in file order and max_records 5: records 0-7 are evaluated (two batches), 8-15 are not.
+    # Draft A (3 steps): steps 3,1,0,2 | 2,1 | none | 0: 7 steps, 9 accepted: (9 + 7) / 7 tokens per step;
+    # steps accepting >= 1: 5 of 7, >= 2: 3 of 7, >= 3: 1 of 7. Draft B (2 steps): 0,0 | 1: 3 steps, 1 accepted:
+    # 4 / 3; >= 1: 1 of 3, >= 2: 0. Records 1 and 5 carry no draft. Records 8-15 would pull draft A up to 4.
+    evaluated = [served(DRAFT_A, SERVING_A, [3, 1, 0, 2]), {}, served(DRAFT_B, SERVING_B, [0, 0]),
+                 served(DRAFT_A, SERVING_A, [2, 1]), served(DRAFT_A, SERVING_A, []), {"source": "x"},
+                 served(DRAFT_A, SERVING_A, [0]), served(DRAFT_B, SERVING_B, [1])]
+    not_evaluated = [served(DRAFT_A, SERVING_A, [3, 3, 3, 3])] * (len(records) - len(evaluated))
+    shards_dir = tmp_path / "heldout-served"
+    cf.write_shards([dataclasses.replace(record, metadata=metadata)
+                     for record, metadata in zip(records, evaluated + not_evaluated, strict=True)],
+                    shards_dir, records_per_shard=6)
+
+    result = evaluate.evaluate(trained_run(), shards_dir, max_records=5, batch_size=4, max_length=256)
+    assert result["num_records"] == 8
+    first, second = result["served_records"]["drafts"]
+    assert result["served_records"]["num_records_without_draft"] == 2
+    assert (first["draft"], first["num_steps"], first["num_records"], first["verify_steps"]) == (DRAFT_A, 3, 4, 7)
+    assert first["acceptance_length"] == pytest.approx(16 / 7)
+    assert first["position_acceptance"] == pytest.approx([5 / 7, 3 / 7, 1 / 7])
+    assert (second["draft"], second["num_records"], second["verify_steps"]) == (DRAFT_B, 2, 3)
+    assert second["acceptance_length"] == pytest.approx(4 / 3)
+    assert second["position_acceptance"] == pytest.approx([1 / 3, 0.0])
+
+    lines = evaluate.format_table(result).splitlines()
+    assert lines[0].split() == ["draft", "untrained", "unigram"]  # the simulated table comes first, as before
+    served_rows = {line.split()[3]: line.split()[4:] for line in lines if line.startswith("served (records) draft")}
+    assert served_rows == {"a1a1a1a1a1a1": ["EAGLE3", "3/1", "4", "7", "2.286", "0.714", "0.429", "0.143"],
+                           "b2b2b2b2b2b2": ["EAGLE3", "2/1", "2", "3", "1.333", "0.333", "0.000", "-"]}
+    assert any("what the serving draft achieved on these records' generations" in line for line in lines)
+    assert "served (records): 2 records captured without a draft" in lines
+
+
+def test_eval_of_records_without_a_serving_draft_has_no_served_rows() -> None:
+    result = {"drafts": {"draft": {"step_accuracy": [0.5], "acceptance_length": [1.5]}}, "chain_lengths": [1]}
+    assert "served (records)" not in evaluate.format_table(result)

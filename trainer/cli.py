@@ -153,7 +153,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "eval", help="offline evaluation: TTT accuracy and simulated acceptance length against two baselines",
         description="On held-out shards: per-step top-1 accuracy of the TTT unroll and the simulated greedy "
         "acceptance length of chain drafting k = 1..7, for the trained draft, an untrained draft (same "
-        "initialisation) and a unigram draft. Prints a table; writes eval.json and acceptance.png.",
+        "initialisation) and a unigram draft. Records captured on a replica serving an EAGLE-3 draft also show "
+        "what that draft achieved on them (rows `served (records)`). Prints a table; writes eval.json and "
+        "acceptance.png.",
     )
     evaluation.add_argument("--run", "--checkpoint", dest="checkpoint", required=True,
                             help="a training run's out_dir (or its final/ folder); --checkpoint is the old name")

@@ -305,7 +305,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
         return [self.entries[index] for row in batch[2] for index in row]
 
     def _read_batch(self, shards: Shards, number: int, epoch: int, rows: list[list[int]]) -> dict[str, Any]:
-        shifted_rows, record_ids, skipped = [], [], []
+        shifted_rows, record_ids, metadata, skipped = [], [], [], []
         for row in rows:
             shifted_rows.append([])
             for index in row:
@@ -318,10 +318,12 @@ class ShardDataset(torch.utils.data.IterableDataset):
                     continue
                 shifted_rows[-1].append(shift_record(record, self.config.max_length))
                 record_ids.append(entry.record_id)
+                metadata.append(record.metadata)
         entry = self.entries[0]
         batch = collate(shifted_rows, record_ids, state_dtype=self.state_dtype,
                         aux_width=len(entry.capture_layers) * entry.hidden_size, hidden=entry.hidden_size)
-        batch.update(batch_number=number, epoch=epoch, skipped_record_ids=skipped)
+        # Each record's metadata, in record_ids order: `eagle-tap eval` reads what the serving draft achieved.
+        batch.update(batch_number=number, epoch=epoch, skipped_record_ids=skipped, record_metadata=metadata)
         return batch
 
 

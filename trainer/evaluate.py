@@ -19,6 +19,11 @@ frequent loss-masked training token):
   proposals plus the target's own token, and the next step starts after them; tokens per verify
   step, pooled. Uniform start rows weigh every position alike, while serving starts a step only
   where the previous one ended; on greedy text this walk is what serving measures.
+- served (records): where the evaluated records were captured on a replica serving an EAGLE-3 draft,
+  what that draft achieved on the records' own generations, as SGLang's verify steps counted it and the
+  records carry it (`served_draft` metadata, capture_format/served_draft.py): tokens per verify step and
+  acceptance per draft position, pooled over exactly the records evaluated. It covers each whole
+  generation, the served walk only the last assistant turn.
 
 Shape legend: B rows, S positions, J draft steps, V target vocab, D draft vocab.
 """
@@ -26,17 +31,24 @@ Shape legend: B rows, S positions, J draft steps, V target vocab, D draft vocab.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from capture_format.errors import InvalidRecordError
+from capture_format.served_draft import ServedDraft, ServedDraftTally, pool_served_drafts, tally_header, tally_rows
 from capture_format.tables import text_table
 from trainer import data, ttt
 from trainer.model import Eagle3Draft, causal_mask
 
 MAX_CHAIN = 7
+SERVED_LABEL = "served (records)"
+"""Rows of what the serving draft achieved on the evaluated records, as they carry it."""
+
+log = logging.getLogger(__name__)
 
 
 def acceptance_lengths(matches: torch.Tensor, counted: torch.Tensor) -> list[float]:
@@ -125,6 +137,27 @@ class Counts:
                 "served_walk_acceptance_length": (self.walk_tokens / self.walk_steps.clamp(min=1)).tolist()}
 
 
+def served_drafts(metadata: list[dict[str, Any]], record_ids: list[str]) -> list[ServedDraft | None]:
+    """The serving draft's signal of each record (None: captured without a draft); a record whose signal does
+    not read is left out with a warning: the evaluation itself does not need it."""
+    served = []
+    for record_metadata, record_id in zip(metadata, record_ids, strict=True):
+        try:
+            served.append(ServedDraft.from_metadata(record_metadata))
+        except InvalidRecordError as error:
+            log.warning("record %s: its served acceptance is left out: %s", record_id, error)
+    return served
+
+
+def served_records(served: list[ServedDraft | None]) -> dict[str, Any] | None:
+    """The result's `served_records`: per draft and setting the served acceptance pooled over the records, and
+    the records captured without a draft; None when no record carries a serving draft."""
+    tallies, num_without_draft = pool_served_drafts(served)
+    if not tallies:
+        return None
+    return {"drafts": [tally.to_json() for tally in tallies], "num_records_without_draft": num_without_draft}
+
+
 def load_run(checkpoint: str | Path) -> tuple[Path, Path, dict[str, Any]]:
     """(final/ folder, run folder, the run's config dict with its own copies of draft config and vocab)."""
     from trainer.run_folder import resolve_checkpoint, run_inputs
@@ -180,12 +213,14 @@ def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | N
                                             shuffle=False), num_epochs=1, equal_per_rank=False, **expected)
     counts = {"draft": Counts(steps), "untrained": Counts(steps), "unigram": Counts(steps)}
     num_records = 0
+    served: list[ServedDraft | None] = []
     wanted_records = len(dataset.entries) if max_records is None else min(max_records, len(dataset.entries))
     progress = tqdm(total=wanted_records, desc="eval", unit="record", dynamic_ncols=True, disable=not progress_bar)
     for batch in data.make_loader(dataset):
         if max_records is not None and num_records >= max_records:
             break
         num_records += len(batch["record_ids"])
+        served += served_drafts(batch["record_metadata"], batch["record_ids"])
         progress.update(len(batch["record_ids"]))
         counted = batch["loss_mask"] & (batch["doc_ids"] >= 0)  # (B, S): start rows
         target_argmax = (batch["final"].float() @ trained.target_lm_head.float().T).argmax(-1)  # (B, S)
@@ -213,10 +248,14 @@ def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | N
     if num_records == 0:
         raise ValueError(f"{shards} holds no record to evaluate")
     drafts = {name: count.result() for name, count in counts.items()}
-    return {"checkpoint": str(checkpoint), "shards": str(shards), "held_out": held_out, "num_records": num_records,
-            "num_start_positions": int(torch.cat(counts["draft"].matches).shape[0]), "chain_lengths":
-            list(range(1, steps + 1)), "unigram_token_id": unigram, "served_max_new_tokens": served_max_new_tokens,
-            "drafts": drafts}
+    result = {"checkpoint": str(checkpoint), "shards": str(shards), "held_out": held_out, "num_records": num_records,
+              "num_start_positions": int(torch.cat(counts["draft"].matches).shape[0]), "chain_lengths":
+              list(range(1, steps + 1)), "unigram_token_id": unigram, "served_max_new_tokens": served_max_new_tokens,
+              "drafts": drafts}
+    served_result = served_records(served)
+    if served_result is not None:
+        result["served_records"] = served_result
+    return result
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -233,7 +272,27 @@ def format_table(result: dict[str, Any]) -> str:
     if "served_walk_acceptance_length" in drafts[names[0]]:
         rows += [row(f"served walk k={k}", "served_walk_acceptance_length", index)
                  for index, k in enumerate(result["chain_lengths"])]
-    return text_table(rows, header=["", *names], gap=3)
+    table = text_table(rows, header=["", *names], gap=3)
+    if "served_records" not in result:
+        return table
+    return table + "\n\n" + format_served_records(result["served_records"])
+
+
+def format_served_records(served: dict[str, Any]) -> str:
+    """The rows of what the serving draft achieved on the evaluated records, and what they mean."""
+    tallies = [ServedDraftTally.from_json(draft) for draft in served["drafts"]]
+    header = tally_header(tallies, first="")
+    table = text_table(tally_rows(tallies, label=f"{SERVED_LABEL} draft "), header=header,
+                       align="<<<" + ">" * (len(header) - 3))
+    return "\n".join([
+        table,
+        f"{SERVED_LABEL}: what the serving draft achieved on these records' generations, as SGLang's verify steps "
+        "counted it:",
+        "  tokens per verify step pooled over the records' steps, and per draft position j the share of steps that",
+        "  accepted draft token j; the served walk above simulates each draft on the last assistant turn only",
+        *([f"{SERVED_LABEL}: {served['num_records_without_draft']:,} records captured without a draft"]
+          if served["num_records_without_draft"] else []),
+    ])
 
 
 def plot_acceptance(result: dict[str, Any], path: Path) -> None:
