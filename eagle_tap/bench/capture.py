@@ -125,7 +125,7 @@ def tree_cpu_s(pid: int | None) -> float:
     return total
 
 
-def _start_both(servers: list[SGLangServer]) -> None:
+def start_all(servers: list[SGLangServer]) -> None:
     """Starts the servers at once (start-up is mostly waiting); raises the first failure."""
     with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
         for future in [pool.submit(server.start) for server in servers]:
@@ -145,7 +145,7 @@ def run(config: Config) -> dict[str, Any]:
     rows = []
     started = time.perf_counter()
     try:
-        _start_both([capturing, plain])
+        start_all([capturing, plain])
         startup_s = time.perf_counter() - started
         num_tokens = sum(map(len, batch))
         run_round(plain, batch[:4], "warmup-plain", config.concurrency)

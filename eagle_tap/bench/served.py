@@ -12,7 +12,9 @@ measured; on a GPU server, `eagle-tap eval-served` against the real target is th
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +50,10 @@ class Config:
         return cls(num_conversations=96, train_steps=200, served_max_new_tokens=32)
 
 
-def run(config: Config) -> dict[str, Any]:
+@contextlib.contextmanager
+def demo_run(config: Config) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """(the exported draft's folder, the demo's summary) of one demo run at config's size: the draft the
+    benchmarks serve. The run's folder is removed on exit."""
     from eagle_tap.demo.run import Config as DemoConfig
     from eagle_tap.demo.run import run_demo
 
@@ -56,7 +61,12 @@ def run(config: Config) -> dict[str, Any]:
         summary = run_demo(DemoConfig(out_dir=Path(work) / "run", num_conversations=config.num_conversations,
                                       train_steps=config.train_steps, served_steps=config.served_steps,
                                       served_max_new_tokens=config.served_max_new_tokens))
-    served = summary["served"]
+        yield Path(summary["export"]["path"]), summary
+
+
+def run(config: Config) -> dict[str, Any]:
+    with demo_run(config) as (_, summary):
+        served = summary["served"]
     rows = []
     for name, result in served["results"].items():
         rows.append({"item": name, "served": result["acceptance_length"],
