@@ -1,5 +1,6 @@
 """`eagle-tap bench`: the codec and trainer benchmarks run at a tiny size and report well-formed results,
-and the report writer's JSON round-trips and its Markdown has one table row per measured item.
+the speculative capture benchmark pools acceptance as SGLang does and tables it per rate, and the report
+writer's JSON round-trips and its Markdown has one table row per measured item.
 
 No SGLang server and no assertion on speed: benchmarks are measured, never timed tests.
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from eagle_tap.bench import codecs, trainer_pipeline
-from eagle_tap.bench.report import render_markdown, run_benchmarks, write_report
+from eagle_tap.bench.report import machine_info, render_markdown, run_benchmarks, write_report
 from eagle_tap.cli import main
 
 CODECS = codecs.Config(num_tokens=2048, codecs=("raw", "zstd:1", "bf16-split", "int8-row"),
@@ -104,6 +105,43 @@ def test_bench_command_rejects_an_unknown_benchmark(capsys: pytest.CaptureFixtur
         main(["bench", "--only", "codecs,codec"])
     assert exit_info.value.code == 2
     assert "unknown benchmark 'codec'; available: codecs, collector, capture, live, trainer" in capsys.readouterr().err
+
+
+def test_spec_capture_pools_acceptance_per_verify_step_and_reports_a_column_per_rate() -> None:
+    from types import SimpleNamespace
+
+    from eagle_tap.bench import spec_capture
+
+    def record(steps: int, accepted: int) -> SimpleNamespace:
+        return SimpleNamespace(metadata={"served_draft": {"verify_steps": steps, "accepted_drafts": accepted}})
+
+    # Counts of two real requests (a chain of 3): 9 tokens in 5 verify steps, 23 in 20 (the last step cut by a stop).
+    records = {"live-a": record(5, 3), "live-b": record(20, 3), "live-plain": SimpleNamespace(metadata={})}
+    meta_infos = {"live-a": {"spec_verify_ct": 5, "spec_num_correct_drafts": 3, "completion_tokens": 9},
+                  "live-b": {"spec_verify_ct": 20, "spec_num_correct_drafts": 2, "completion_tokens": 23}}
+    pooled = spec_capture.pooled_acceptance(records, meta_infos, ["live-a", "live-b", "live-plain", "live-lost"])
+    assert pooled["records"] == pytest.approx((6 + 25) / 25)  # (accepted drafts + verify steps) / verify steps
+    assert pooled["meta_info"] == pytest.approx((5 + 25) / 25)
+    assert pooled["meta_info_completion"] == pytest.approx(32 / 25)  # counts the prefill's first token too
+    assert (pooled["records_agreeing"], pooled["records_compared"]) == (1, 2)  # b's drafts disagree
+
+    config = spec_capture.Config(draft_dir="draft", rounds=5)
+    entry = {"ratio": 0.97, "cpu_ratio": 0.98, "sampled": 30, "complete": 30, "unreadable": 0, "coverage": 1.0,
+             "acceptance": pooled, "captured_tokens": 2_400, "dropped": {}, "hook_errors": 0,
+             "cpu_us_per_token": {"hook": 3.0, "sender": 20.0, "collector": 10.0, "total": 33.0}}
+    measured = {"absent_tokens_s": 40.0, "absent_acceptance": {"meta_info": 2.5, "meta_info_completion": 2.6},
+                "live0.1": {**entry, "rate": 0.1}, "live1": {**entry, "rate": 1.0, "dropped": {"missing_rows": 1}}}
+    result = {**spec_capture.report(config, measured, "draft draft"), "wall_s": 1.0}
+    _check_well_formed(result)
+    assert [key for key, _, _ in result["columns"]] == ["item", "live0.1", "live1"]
+    rows = {row["item"]: row for row in result["rows"]}
+    assert rows["served throughput / no plugin (generated tok/s, median of 5 rounds)"]["live0.1"] == "0.970"
+    assert rows["coverage: complete records / sampled requests"]["live1"] == "1.0000 (30/30, 0 unreadable)"
+    assert rows["  records whose verify steps and accepted drafts equal meta_info's"]["live1"] == "1/2"
+    assert result["notes"][-1].endswith("live1: 1 missing_rows, 0 hook errors")
+    markdown = render_markdown({"mode": "full", "wall_s": 1.0, "machine": machine_info(),
+                                "benchmarks": {"spec-capture": result}})
+    assert "| served throughput / no plugin (generated tok/s, median of 5 rounds) | 0.970 | 0.970 |" in markdown
 
 
 def test_codec_acceptance_trains_paired_drafts_per_codec_and_evaluates_them_on_lossless_held_out_shards(

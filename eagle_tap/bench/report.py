@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, str] = {
     "trainer": "eagle_tap.bench.trainer_pipeline",
     "objstore": "eagle_tap.bench.objstore",
     "served": "eagle_tap.bench.served",
+    "spec-capture": "eagle_tap.bench.spec_capture",
 }
 """Benchmark name (as `--only` takes it) -> module with `Config` and `run(config)`."""
 REPO_ROOT = Path(__file__).resolve().parents[2]

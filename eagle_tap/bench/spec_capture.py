@@ -1,0 +1,291 @@
+"""Live capture on a replica that serves an EAGLE-3 draft: what it costs, and what its records say.
+
+Servers (CPU, the tiny target), each serving the same draft with SGLang's EAGLE-3 speculative decoding, a
+chain of `num_steps` drafts (top-k 1), bf16 as the demo serves it: one with the plugin not loaded
+(SGLANG_PLUGINS names no plugin), and per rate in `live_rates` one sampling that share of its requests
+live, each capturing server with its own collector. The draft is the one the served benchmark serves (a
+demo run at `draft_run`'s size: `served.demo_run`), or the exported folder `draft_dir`.
+
+Workload, as part 2 of the live benchmark: untagged requests, radix cache on, greedy answers of up to
+`max_new_tokens`, alternating rounds, every server the same prompts in a round; here each prompt is a
+different demo conversation's first user turn (the draft's own domain), rendered with the chat template.
+A capturing server's sampled records are stored before the next server's round starts.
+
+Reported per rate:
+- served throughput (generated tokens/s) with the plugin / without, median of rounds; the same for server CPU;
+- coverage: of the requests `sglang_patch.selection.is_sampled` picks by request id, those whose record
+  reads back complete (token ids = prompt + answer, a state for every token but the last);
+- the acceptance length the records carry (`served_draft` metadata), pooled over those requests:
+  (accepted drafts + verify steps) / verify steps, tokens per verify step; beside it SGLang's meta_info of
+  the same requests, by the same definition and by its own `spec_accept_length` (completion tokens / verify
+  steps, which also counts the first token, the prefill's); and how many records agree with meta_info;
+- capture CPU per captured token over the measured rounds: the plugin's forward hooks on the scheduler's
+  thread (stats `hook_cpu_ns`), its sender thread (`sender_cpu_ns`) and the collector's process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle_tap.bench import served
+from eagle_tap.bench.capture import start_all, tree_cpu_s
+from eagle_tap.bench.live import (
+    chat_tokenizer,
+    count_complete,
+    demo_prompts,
+    generate,
+    parallel,
+    stored_records,
+    wait_records,
+)
+from eagle_tap.collector_process import CollectorProcess
+from eagle_tap.served.draft import SpeculativeConfig
+from eagle_tap.sglang_server import ServerConfig, SGLangServer
+from eagle_tap.tiny_model import TINY_MODEL_DIR
+from sglang_patch.selection import is_sampled
+from sglang_patch.speculative import METADATA_KEY
+from sglang_patch.stats import read_stats_file
+
+LIVE_GOAL = 0.95
+"""Served throughput with the plugin at 10% / without."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """The draft, the servers and the workload."""
+
+    draft_run: served.Config = field(default_factory=served.Config)
+    """Size of the demo run that trains the draft (the served benchmark's run)."""
+    draft_dir: str | None = None
+    """Serve this exported draft folder (e.g. an earlier demo's `draft/`) instead of training one."""
+    num_steps: int = 3
+    """Drafts per verify step (a chain)."""
+    num_requests: int = 64
+    """Requests per server per round, each a different demo conversation's first turn."""
+    max_new_tokens: int = 48
+    rounds: int = 5
+    concurrency: int = 8
+    """Requests in flight per server."""
+    live_rates: tuple[float, ...] = (0.1, 1.0)
+    """EAGLE_TAP_LIVE_SAMPLE_RATE of each capturing server."""
+
+    @classmethod
+    def quick(cls) -> Config:
+        return cls(draft_run=served.Config.quick(), num_requests=32, rounds=3)
+
+
+def server_name(rate: float) -> str:
+    return f"live{rate:g}"
+
+
+def meta_info_acceptance(meta_infos: list[dict]) -> dict[str, float]:
+    """Tokens per verify step pooled over SGLang's meta_info of some requests, two ways: by the records'
+    definition, (correct drafts + verify steps) / verify steps, and by SGLang's `spec_accept_length`,
+    completion tokens / verify steps."""
+    verify_ct = sum(meta["spec_verify_ct"] for meta in meta_infos)
+    correct = sum(meta["spec_num_correct_drafts"] for meta in meta_infos)
+    completion = sum(meta["completion_tokens"] for meta in meta_infos)
+    return {"meta_info": (correct + verify_ct) / verify_ct if verify_ct else float("nan"),
+            "meta_info_completion": completion / verify_ct if verify_ct else float("nan")}
+
+
+def pooled_acceptance(records: dict[str, Any], meta_infos: dict[str, dict], record_ids: list[str]) -> dict[str, Any]:
+    """Tokens per verify step over the stored records among record_ids, from their `served_draft` metadata and
+    from SGLang's meta_info of the same requests (meta_infos: record id -> meta_info), and how many agree."""
+    served = {record_id: records[record_id].metadata[METADATA_KEY] for record_id in record_ids
+              if record_id in records and METADATA_KEY in records[record_id].metadata}
+    steps = sum(draft["verify_steps"] for draft in served.values())
+    accepted = sum(draft["accepted_drafts"] for draft in served.values())
+    agreeing = sum((draft["verify_steps"], draft["accepted_drafts"])
+                   == (meta_infos[record_id]["spec_verify_ct"], meta_infos[record_id]["spec_num_correct_drafts"])
+                   for record_id, draft in served.items())
+    return {"records": (accepted + steps) / steps if steps else float("nan"),
+            **meta_info_acceptance([meta_infos[record_id] for record_id in served]),
+            "records_compared": len(served), "records_agreeing": agreeing}
+
+
+@contextlib.contextmanager
+def spec_servers(config: Config, draft: Path, work: Path) -> Iterator[tuple[dict[str, SGLangServer],
+                                                                           dict[str, tuple[float, CollectorProcess]]]]:
+    """Started and stopped on exit: ({"absent": the server without the plugin, per rate its capturing server},
+    {capturing server's name: (rate, its own collector)}), every server serving the same draft."""
+    speculative = SpeculativeConfig(draft_dir=draft, num_steps=config.num_steps)
+    servers: dict[str, SGLangServer] = {}
+    capturing: dict[str, tuple[float, CollectorProcess]] = {}
+    try:
+        servers["absent"] = SGLangServer(ServerConfig(model_path=TINY_MODEL_DIR, speculative=speculative,
+                                                      log_path=work / "absent.log",
+                                                      env={"SGLANG_PLUGINS": "none-loaded"}))
+        for rate in config.live_rates:
+            name = server_name(rate)
+            capturing[name] = (rate, CollectorProcess(work / f"collector-{name}" / "data"))
+            servers[name] = SGLangServer(ServerConfig(
+                model_path=TINY_MODEL_DIR, speculative=speculative, log_path=work / f"{name}.log",
+                env={"EAGLE_TAP_COLLECTOR_URL": capturing[name][1].url, "EAGLE_TAP_SPOOL_DIR": str(work / f"spool-{name}"),
+                     "EAGLE_TAP_LIVE_SAMPLE_RATE": str(rate)}))
+        start_all(list(servers.values()))
+        yield servers, capturing
+    finally:
+        for server in servers.values():
+            server.stop()
+        for _, collector in capturing.values():
+            collector.stop()
+
+
+def measure(config: Config, draft: Path, work: Path) -> dict[str, Any]:
+    """Runs the servers, the rounds and the read-back; returns the measured numbers (see the module docstring)."""
+    chat = chat_tokenizer()
+    prompts = demo_prompts(chat, config.rounds * config.num_requests)
+    if len(prompts) < config.rounds * config.num_requests:
+        raise ValueError(f"{config.rounds} rounds of {config.num_requests} different requests need "
+                         f"{config.rounds * config.num_requests} demo conversations; the bundled file has {len(prompts)}")
+    warmup = prompts[: config.concurrency]  # sent with fresh cache salts: the radix cache keeps nothing of them
+    rows: list[dict[str, Any]] = []
+    expected: dict[str, list[int]] = {}  # record id -> prompt + answer of every sampled request
+    meta_infos: dict[str, dict] = {}  # record id -> SGLang's meta_info of the same request
+    sampled_by: dict[str, list[str]] = {server_name(rate): [] for rate in config.live_rates}
+    absent_meta_infos: list[dict] = []
+    stats_before, stats_after = {}, {}
+    with spec_servers(config, draft, work) as (servers, capturing):
+        for name, server in servers.items():  # warm-up: a full batch of whole answers
+            rids = [f"warm{name}x{i}" for i in range(len(warmup))]
+            parallel(lambda i: generate(server, warmup[i], config.max_new_tokens, rid=rids[i]), range(len(warmup)),
+                     config.concurrency)
+            if name in capturing:
+                rate, collector = capturing[name]
+                wait_records(collector, [f"live-{rid}" for rid in rids if is_sampled(rid, rate)])
+                stats_before[name] = read_stats_file(work / f"spool-{name}" / "dp0" / "stats.json", newer_than=time.time())
+        for number in range(config.rounds):
+            batch = prompts[number * config.num_requests : (number + 1) * config.num_requests]
+            row: dict[str, Any] = {"round": number}
+            for name in list(servers) if number % 2 == 0 else list(reversed(servers)):
+                server, rids = servers[name], [f"spec{number}x{name}x{i:04d}" for i in range(len(batch))]
+                collector_cpu = tree_cpu_s(capturing[name][1].process.pid) if name in capturing else 0.0
+                cpu, started = tree_cpu_s(server.pid), time.perf_counter()
+                answers = parallel(lambda i: generate(server, batch[i], config.max_new_tokens, rid=rids[i], salt=False),
+                                   range(len(batch)), config.concurrency)
+                row[f"{name}_s"] = time.perf_counter() - started
+                row[f"{name}_cpu_s"] = tree_cpu_s(server.pid) - cpu
+                row[f"{name}_tokens"] = sum(len(answer["output_ids"]) for answer in answers)
+                if name not in capturing:
+                    absent_meta_infos += [answer["meta_info"] for answer in answers]
+                    continue
+                rate, collector = capturing[name]
+                sampled = []
+                for rid, ids, answer in zip(rids, batch, answers):
+                    if is_sampled(rid, rate):
+                        sampled.append(f"live-{rid}")
+                        expected[sampled[-1]], meta_infos[sampled[-1]] = ids + answer["output_ids"], answer["meta_info"]
+                sampled_by[name] += sampled
+                wait_records(collector, sampled)
+                row[f"{name}_collector_cpu_s"] = tree_cpu_s(collector.process.pid) - collector_cpu
+            for name in capturing:  # generated tokens per second (greedy answers may differ a little in length)
+                row[f"{name}_ratio"] = (row[f"{name}_tokens"] / row[f"{name}_s"]) / (row["absent_tokens"] / row["absent_s"])
+                row[f"{name}_cpu_ratio"] = row["absent_cpu_s"] / row[f"{name}_cpu_s"]
+            rows.append(row)
+        for name in capturing:
+            stats_after[name] = read_stats_file(work / f"spool-{name}" / "dp0" / "stats.json", newer_than=time.time())
+    result: dict[str, Any] = {
+        "rounds": rows, "absent_tokens_s": statistics.median(row["absent_tokens"] / row["absent_s"] for row in rows),
+        "absent_acceptance": meta_info_acceptance(absent_meta_infos)}  # all its requests, SGLang's own counts
+    for name, (rate, collector) in capturing.items():
+        records, unreadable, _, _ = stored_records(collector.data_dir, "live-spec")
+        ids = sampled_by[name]
+        complete = count_complete(records, expected, ids)
+        before, after = stats_before[name], stats_after[name]
+        tokens = after.get("captured_tokens", 0) - before.get("captured_tokens", 0)
+
+        def per_token_us(spent_s: float) -> float:
+            return spent_s * 1e6 / tokens if tokens else float("nan")
+
+        cpu_us = {"hook": per_token_us((after.get("hook_cpu_ns", 0) - before.get("hook_cpu_ns", 0)) / 1e9),
+                  "sender": per_token_us((after.get("sender_cpu_ns", 0) - before.get("sender_cpu_ns", 0)) / 1e9),
+                  "collector": per_token_us(sum(row[f"{name}_collector_cpu_s"] for row in rows))}
+        result[name] = {"rate": rate, "ratio": statistics.median(row[f"{name}_ratio"] for row in rows),
+                        "cpu_ratio": statistics.median(row[f"{name}_cpu_ratio"] for row in rows),
+                        "sampled": len(ids), "complete": complete, "unreadable": unreadable,
+                        "coverage": complete / len(ids) if ids else float("nan"),
+                        "acceptance": pooled_acceptance(records, meta_infos, ids),
+                        "captured_tokens": tokens, "cpu_us_per_token": {**cpu_us, "total": sum(cpu_us.values())},
+                        "dropped": after.get("dropped") or {}, "hook_errors": after.get("hook_errors", 0)}
+    return result
+
+
+def report(config: Config, measured: dict[str, Any], draft_note: str) -> dict[str, Any]:
+    """The bench report's entry: a table with one column per rate, the notes, and `measured` as the summary."""
+    names = [server_name(rate) for rate in config.live_rates]
+    columns = [["item", "measure", "s"], *([name, f"live {rate:.0%}", "s"] for name, rate in zip(names, config.live_rates))]
+
+    def row(item: str, value) -> dict[str, str]:
+        return {"item": item, **{name: value(measured[name]) for name in names}}
+
+    rows = [
+        row(f"served throughput / no plugin (generated tok/s, median of {config.rounds} rounds)",
+            lambda entry: f"{entry['ratio']:.3f}"),
+        row("server CPU, no plugin / with it (median)", lambda entry: f"{entry['cpu_ratio']:.3f}"),
+        row("coverage: complete records / sampled requests",
+            lambda entry: f"{entry['coverage']:.4f} ({entry['complete']}/{entry['sampled']}, "
+            f"{entry['unreadable']} unreadable)"),
+        row("acceptance length, records: (accepted drafts + verify steps) / verify steps",
+            lambda entry: f"{entry['acceptance']['records']:.3f}"),
+        row("  SGLang meta_info, same requests: (spec_num_correct_drafts + spec_verify_ct) / spec_verify_ct",
+            lambda entry: f"{entry['acceptance']['meta_info']:.3f}"),
+        row("  SGLang meta_info, same requests: completion_tokens / spec_verify_ct (its spec_accept_length)",
+            lambda entry: f"{entry['acceptance']['meta_info_completion']:.3f}"),
+        row("  records whose verify steps and accepted drafts equal meta_info's",
+            lambda entry: f"{entry['acceptance']['records_agreeing']}/{entry['acceptance']['records_compared']}"),
+        row("capture CPU per captured token: forward hooks (hook_cpu_ns)",
+            lambda entry: f"{entry['cpu_us_per_token']['hook']:.2f} us"),
+        row("  sender thread (sender_cpu_ns)", lambda entry: f"{entry['cpu_us_per_token']['sender']:.2f} us"),
+        row("  collector process", lambda entry: f"{entry['cpu_us_per_token']['collector']:.2f} us"),
+        row("  all three (captured tokens)",
+            lambda entry: f"{entry['cpu_us_per_token']['total']:.2f} us ({entry['captured_tokens']:,})"),
+    ]
+    absent = measured["absent_acceptance"]
+    problems = [f"{name}: " + ", ".join([*(f"{count} {reason}" for reason, count in measured[name]["dropped"].items()),
+                                          f"{measured[name]['hook_errors']} hook errors"])
+                for name in names if measured[name]["dropped"] or measured[name]["hook_errors"]]
+    notes = [
+        f"{config.num_requests} requests per server per round (each a different demo conversation's first turn), "
+        f"greedy answers of up to {config.max_new_tokens} tokens, concurrency {config.concurrency}, radix cache on, "
+        f"{config.rounds} alternating rounds; goal: served throughput >= {LIVE_GOAL} of no plugin at 10%",
+        f"{draft_note}; served as a chain of {config.num_steps} (top-k 1) in bf16 by every server",
+        "acceptance length: the records' figure and the first meta_info figure count tokens per verify step "
+        "(accepted drafts + 1); completion_tokens / spec_verify_ct also counts the first token, which the prefill "
+        "produced, and leaves out what a finished request's last step accepted past its end (a stop, max_new_tokens)",
+        f"no plugin: {measured['absent_tokens_s']:,.1f} generated tok/s (median), acceptance over all its requests "
+        f"{absent['meta_info']:.3f} (same definition) / {absent['meta_info_completion']:.3f} (completion tokens)",
+        "capture CPU: thread CPU of the plugin's hooks on the target's extend and verify forwards (not the hook that "
+        "assembles finished records after each batch) and of its sender, and the collector's process CPU from each "
+        "round's start until its records were stored, per token of the records captured in the measured rounds",
+        "captures dropped (by reason) and hook errors: " + ("; ".join(problems) or "none"),
+    ]
+    rates = " and ".join(f"{rate:.0%}" for rate in config.live_rates)
+    return {"title": f"Live capture on a replica serving an EAGLE-3 draft: the plugin at {rates} vs not loaded",
+            "parameters": asdict(config), "columns": columns, "rows": rows, "summary": measured, "notes": notes}
+
+
+def run(config: Config) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="eagle-tap-bench-spec-capture-"))
+    try:
+        with contextlib.ExitStack() as stack:
+            if config.draft_dir is not None:
+                draft, draft_note = Path(config.draft_dir), f"draft {config.draft_dir}"
+            else:
+                draft, summary = stack.enter_context(served.demo_run(config.draft_run))
+                draft_note = (f"the draft of a demo run (as the served benchmark's): trained for "
+                              f"{summary['training']['steps']} steps on {summary['conversations']['train']} captured "
+                              f"conversations, SGLang acceptance on held-out ones "
+                              f"{summary['served']['results']['draft']['acceptance_length']:.3f}")
+            measured = measure(config, draft, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return report(config, measured, draft_note)
