@@ -5,8 +5,9 @@ The draft is the one the trainer tests train and export (tests/test_trainer_expo
 - `chain` and `tree`: the draft, fp32, a chain of 3 (top-k 1) and a top-k 2 tree of 3 steps, the plugin capturing;
 - `unplugged`: the chain without the plugin, and `refused`: the chain with capture layers the draft does not read
   (the plugin refuses it): both must answer exactly as `chain` does;
-- `live`: the chain in bf16, live sampling at 10%, shared prefix blocks of 16 tokens, requests sent concurrently.
-Every server prefills in chunks of 24 tokens, shorter than every prompt.
+- `live`: the chain in bf16, live sampling at 10%, shared prefix blocks of 16 tokens, requests sent concurrently;
+- `retract`: the chain in bf16 with SGLang retracting running requests (`SGLANG_TEST_RETRACT`).
+Every server but `retract` prefills in chunks of 24 tokens, shorter than every prompt.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ def servers(start_sglang, tiny_model_dir, collector, draft, tmp_path_factory):
             "refused": ((*FP32, *chain), {**plugin, "EAGLE_TAP_CAPTURE_LAYERS": "1,4,7"}),
             "live": ((*CHUNK, *chain), {**plugin, "EAGLE_TAP_LIVE_SAMPLE_RATE": str(LIVE_RATE),
                                         "EAGLE_TAP_PREFIX_BLOCK_TOKENS": "16"}),
+            # SGLang's own switch retracts running requests; a small pool makes it retract them again and again.
+            "retract": (("--max-total-tokens", "600", "--chunked-prefill-size", "64", *chain),
+                        {**plugin, "SGLANG_TEST_RETRACT": "1"}),
         }[name]
         started[name] = start_sglang(tiny_model_dir, extra_args=args, env=env), spool
         return started[name]
@@ -87,8 +91,9 @@ def servers(start_sglang, tiny_model_dir, collector, draft, tmp_path_factory):
     return get
 
 
-def generate(server, ids: list[int], record_id: str | None = None, rid: str | None = None) -> dict:
-    sampling = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0}
+def generate(server, ids: list[int], record_id: str | None = None, rid: str | None = None,
+             max_new_tokens: int = MAX_NEW_TOKENS, **sampling_params) -> dict:
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0, **sampling_params}
     if record_id is not None:
         sampling["custom_params"] = CaptureTag(record_id=record_id, sample_id=record_id, loss_spans=(),
                                                mode="generate").to_custom_params()
@@ -195,3 +200,50 @@ def test_live_sampling_on_a_draft_serving_replica(servers, collector, tiny_model
         assert record.token_ids.tolist() == answer["ids"] + answer["output_ids"]
         check_against_transformers(hf_model, record, rid)
         check_served_draft_against_meta_info(record, answer)
+
+
+def test_stop_strings_and_several_samples_keep_their_rules(servers, collector, prompts):
+    chain, spool = servers("chain")
+    free = generate(chain, prompts[2])
+    text = free["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), f"the tiny model's answer has no usable middle: {text!r}"
+    stopped = generate(chain, prompts[2], record_id="chain-stopped", stop=[stop])
+    assert stopped["meta_info"]["finish_reason"]["type"] == "stop"
+    record = stored_record(collector, "chain-stopped")
+    assert record.token_ids.tolist() == prompts[2] + stopped["output_ids"]  # what the client received
+    assert record.metadata["finish_reason"] == "stop" and record.num_states == record.num_tokens - 1
+    check_served_draft_against_meta_info(record, stopped)
+    before = read_stats(spool).get("dropped", {}).get("generate_tag_with_n_samples", 0)
+    generate(chain, prompts[3], record_id="chain-two-samples", n=2)
+    # SGLang sends the tag with each sample and with its prefix warm-up request: every one is refused, none stored.
+    wait_for(lambda: read_stats(spool).get("dropped", {}).get("generate_tag_with_n_samples", 0) >= before + 2, 30,
+             "the refusal of a generate tag on two samples")
+    with pytest.raises(AssertionError, match="timed out"):
+        stored_record(collector, "chain-two-samples", timeout_s=2)
+
+
+def test_retracted_generations_are_stored_whole(servers, collector, tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    server, spool = servers("retract")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = "".join(f"item_{i} = {i} * 7 + 1\n" for i in range(60))
+    prompts = [tokenizer(f"# notes {index}\n{text}", add_special_tokens=False)["input_ids"][:48] for index in range(4)]
+
+    def one(index: int) -> dict:
+        return generate(server, prompts[index], record_id=f"retract-{index}", max_new_tokens=40)
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(one, range(len(prompts))))
+    assert sum(answer["meta_info"]["num_retractions"] for answer in answers) >= 1, "SGLang should have retracted"
+    stats = wait_for(lambda: (s := read_stats(spool)).get("captured", 0) >= len(prompts) and s, 60, "the captures")
+    assert stats.get("dropped", {}) == {} and stats.get("hook_errors", 0) == 0
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    for index, answer in enumerate(answers):
+        record = stored_record(collector, f"retract-{index}")
+        assert record.token_ids.tolist() == prompts[index] + answer["output_ids"]
+        check_against_transformers(hf_model, record, f"retract-{index}")
+        served = record.metadata[METADATA_KEY]
+        assert served["verify_steps"] == answer["meta_info"]["spec_verify_ct"]
+        assert served["accepted_drafts"] == answer["meta_info"]["spec_num_correct_drafts"]
