@@ -25,7 +25,8 @@ What must hold:
   layer ids, or names others than the capture layers asked for) is refused with one log line and served
   unchanged;
 - the draft's identity is a digest of its config and of the weights the server holds (not a file name),
-  computed at the first forward and again after every weight update.
+  computed at the first forward and again at the first forward after a weight update, on the device that
+  holds the weights (no copy of them to the host).
 """
 
 from __future__ import annotations
@@ -117,11 +118,33 @@ def spec_capture_layers(spec: SpecServing, architecture: str, num_layers: int,
     return layers
 
 
-def draft_digest(draft_model: Any, config_path: str | Path | None, shared_with: Any = None) -> str:
-    """32 hex digits of BLAKE2b over the draft's config file and every parameter and buffer it holds, by name
-    (name, dtype, shape, bytes), leaving out tensors that are the target's own (`embed_tokens`: `shared_with`)."""
+_FINGERPRINT_CHUNK = 1 << 22
+"""Elements per step of `tensor_fingerprint` (a 32 MiB int64 temporary on the device, whatever the tensor's size)."""
+_SAME_WIDTH_INTS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def tensor_fingerprint(tensor: Any) -> tuple[int, int]:
+    """(sum, position-weighted sum) of a tensor's bits read as integers of its width, wrapping in int64, computed
+    where the tensor lives: a changed bit changes it, and a draft of a GB on a GPU is read in milliseconds,
+    never copied to the host (the identity is computed on the scheduler's thread)."""
     import torch
 
+    flat = tensor.detach().contiguous().reshape(-1)
+    flat = flat.view(getattr(torch, _SAME_WIDTH_INTS[flat.element_size()]))
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    weighted = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), _FINGERPRINT_CHUNK):
+        part = flat[start : start + _FINGERPRINT_CHUNK].to(torch.int64)
+        positions = torch.arange(start, start + part.numel(), dtype=torch.int64, device=flat.device) % 65_521 + 1
+        total += part.sum()
+        weighted += (part * positions).sum()
+    return int(total), int(weighted)
+
+
+def draft_digest(draft_model: Any, config_path: str | Path | None, shared_with: Any = None) -> str:
+    """32 hex digits of BLAKE2b over the draft's config file and, by name, every parameter and buffer it holds
+    (name, dtype, shape, `tensor_fingerprint`), leaving out tensors that are the target's own (`embed_tokens`:
+    those sharing storage with `shared_with`)."""
     target_storages = set()
     if shared_with is not None:
         target_storages = {tensor.untyped_storage().data_ptr()
@@ -132,12 +155,10 @@ def draft_digest(draft_model: Any, config_path: str | Path | None, shared_with: 
     tensors = dict(draft_model.named_parameters())
     tensors.update(draft_model.named_buffers())
     for name in sorted(tensors):
-        tensor = tensors[name].detach()
+        tensor = tensors[name]
         if tensor.untyped_storage().data_ptr() in target_storages:
             continue
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        host = tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        digest.update(host.numpy().tobytes())
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|{tensor_fingerprint(tensor)}|".encode())
     return digest.hexdigest()
 
 

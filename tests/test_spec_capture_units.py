@@ -217,3 +217,40 @@ def test_the_draft_identity_follows_its_weights_not_the_target_tensors_it_shares
     assert changed != before and len(changed) == 32
     config.write_text('{"x": 1}')
     assert draft_digest(draft, config, shared_with=target) != changed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_a_fingerprint_sees_one_changed_element_anywhere_and_any_swap(monkeypatch, dtype):
+    import sglang_patch.speculative as speculative
+
+    monkeypatch.setattr(speculative, "_FINGERPRINT_CHUNK", 7)  # many chunks, one partial
+    tensor = (torch.arange(60) % 2).to(dtype) if dtype == torch.bool else torch.arange(60).to(dtype).reshape(6, 10)
+    before = speculative.tensor_fingerprint(tensor)
+    assert speculative.tensor_fingerprint(tensor.clone()) == before
+    flat = tensor.reshape(-1)
+    for index in (0, 6, 7, 59):
+        changed = flat.clone()
+        changed[index] = (~changed[index]) if dtype == torch.bool else changed[index] + 1
+        assert speculative.tensor_fingerprint(changed) != before, index
+    swapped = flat.clone()
+    swapped[[3, 40]] = swapped[[40, 3]]
+    assert speculative.tensor_fingerprint(swapped) != before
+
+
+def test_a_weight_update_makes_the_plugin_identify_the_draft_again(tmp_path):
+    from sglang_patch.forward_hook import CaptureHook
+    from sglang_patch.settings import CaptureSettings
+
+    draft_model, target_model = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    (tmp_path / "config.json").write_text("{}")
+    hook = CaptureHook(CaptureSettings(collector_url="http://127.0.0.1:9"))
+    hook._spec = SpecServing(algorithm="EAGLE3", draft_path=str(tmp_path), num_steps=3, topk=1, num_draft_tokens=4)
+    hook.on_spec_forward_begin(SimpleNamespace(draft_worker=SimpleNamespace(draft_runner=SimpleNamespace(model=draft_model)),
+                                               target_worker=SimpleNamespace(model_runner=SimpleNamespace(model=target_model))))
+    first, spec = hook.served_draft()
+    assert spec is hook._spec and len(first) == 32
+    with torch.no_grad():
+        draft_model.weight.add_(1.0)  # what /update_weights_from_tensor with selector "draft" does in place
+    assert hook.served_draft()[0] == first  # known: not computed again per record
+    hook.on_weights_updated(None, object())
+    assert hook.served_draft()[0] not in (first, "unknown")
