@@ -23,7 +23,7 @@ import trainer_data
 from capture_format.tag import CaptureTag
 from capture_helpers import aux_as_float, final_as_float, read_stats, stored_record, wait_for
 from eagle_tap.cli import main
-from eagle_tap.sglang_server import post_json
+from eagle_tap.sglang_server import ServerConfig, SGLangServer, post_json
 from eagle_tap.served.draft import SpeculativeConfig
 from sglang_patch.selection import is_sampled
 from sglang_patch.speculative import METADATA_KEY, accepted_from_metadata
@@ -62,33 +62,51 @@ def prompts(tiny_model_dir) -> list[list[int]]:
     return rendered
 
 
+class Servers:
+    """The module's servers by name, started on first use; a test releases those no later test needs, so that
+    no more than four (about 2 GB each) run at once."""
+
+    def __init__(self, tiny_model_dir: Path, collector, draft: Path, tmp_path_factory) -> None:
+        self._model, self._collector, self._draft, self._tmp = tiny_model_dir, collector, draft, tmp_path_factory
+        self._started: dict[str, tuple[SGLangServer, Path]] = {}
+
+    def __call__(self, name: str) -> tuple[SGLangServer, Path]:
+        if name not in self._started:
+            spool = self._tmp.mktemp(f"spool-{name}")
+            plugin = {"EAGLE_TAP_COLLECTOR_URL": self._collector.url, "EAGLE_TAP_SPOOL_DIR": str(spool)}
+            chain = SpeculativeConfig(draft_dir=self._draft, num_steps=3).server_args()
+            args, env = {
+                "plain": (FP32, plugin),
+                "chain": ((*FP32, *chain), plugin),
+                "tree": ((*FP32, *TREE, "--speculative-draft-model-path", str(self._draft)), plugin),
+                "unplugged": ((*FP32, *chain), {"SGLANG_PLUGINS": "none-loaded"}),
+                "refused": ((*FP32, *chain), {**plugin, "EAGLE_TAP_CAPTURE_LAYERS": "1,4,7"}),
+                "live": ((*CHUNK, *chain), {**plugin, "EAGLE_TAP_LIVE_SAMPLE_RATE": str(LIVE_RATE),
+                                            "EAGLE_TAP_PREFIX_BLOCK_TOKENS": "16"}),
+                # SGLang's own switch retracts running requests; a small pool makes it retract them again and again.
+                "retract": (("--max-total-tokens", "600", "--chunked-prefill-size", "64", *chain),
+                            {**plugin, "SGLANG_TEST_RETRACT": "1"}),
+            }[name]
+            server = SGLangServer(ServerConfig(model_path=self._model, extra_args=args, env=env,
+                                               log_path=self._tmp.mktemp(name) / "server.log"))
+            server.start()
+            self._started[name] = server, spool
+        return self._started[name]
+
+    def release(self, *names: str) -> None:
+        """Stops the servers named (every one when none is named)."""
+        for name in names or list(self._started):
+            if name in self._started:
+                self._started.pop(name)[0].stop()
+
+
 @pytest.fixture(scope="module")
-def servers(start_sglang, tiny_model_dir, collector, draft, tmp_path_factory):
-    """name -> (server, spool dir or None); started on first use, stopped with the module."""
-    started: dict = {}
-
-    def get(name: str):
-        if name in started:
-            return started[name]
-        spool = tmp_path_factory.mktemp(f"spool-{name}")
-        plugin = {"EAGLE_TAP_COLLECTOR_URL": collector.url, "EAGLE_TAP_SPOOL_DIR": str(spool)}
-        chain = SpeculativeConfig(draft_dir=draft, num_steps=3).server_args()
-        args, env = {
-            "plain": (FP32, plugin),
-            "chain": ((*FP32, *chain), plugin),
-            "tree": ((*FP32, *TREE, "--speculative-draft-model-path", str(draft)), plugin),
-            "unplugged": ((*FP32, *chain), {"SGLANG_PLUGINS": "none-loaded"}),
-            "refused": ((*FP32, *chain), {**plugin, "EAGLE_TAP_CAPTURE_LAYERS": "1,4,7"}),
-            "live": ((*CHUNK, *chain), {**plugin, "EAGLE_TAP_LIVE_SAMPLE_RATE": str(LIVE_RATE),
-                                        "EAGLE_TAP_PREFIX_BLOCK_TOKENS": "16"}),
-            # SGLang's own switch retracts running requests; a small pool makes it retract them again and again.
-            "retract": (("--max-total-tokens", "600", "--chunked-prefill-size", "64", *chain),
-                        {**plugin, "SGLANG_TEST_RETRACT": "1"}),
-        }[name]
-        started[name] = start_sglang(tiny_model_dir, extra_args=args, env=env), spool
-        return started[name]
-
-    return get
+def servers(tiny_model_dir, collector, draft, tmp_path_factory):
+    pool = Servers(tiny_model_dir, collector, draft, tmp_path_factory)
+    try:
+        yield pool
+    finally:
+        pool.release()
 
 
 def generate(server, ids: list[int], record_id: str | None = None, rid: str | None = None,
@@ -143,6 +161,8 @@ def test_a_draft_serving_replica_stores_the_records_a_draftless_one_stores(serve
     assert num_correct > 0, "the draft never proposed a right token: these records would not test acceptance"
     stats = read_stats(spool)
     assert stats["status"] == "capturing" and stats.get("dropped", {}) == {} and stats.get("hook_errors", 0) == 0
+    if shape == "tree":
+        servers.release("tree")
 
 
 def test_a_prefill_capture_on_a_draft_serving_replica_says_no_step_ran(servers, collector, prompts):
@@ -171,6 +191,29 @@ def test_capture_changes_nothing_a_user_receives_even_when_it_refuses(servers, p
     assert "serving draft reads layers [3, 5, 6]" in refused.log_tail(20_000)
     status = read_stats(refused_spool, rank_dir="")["status"]
     assert status.startswith("dormant") and "EAGLE_TAP_CAPTURE_LAYERS" in status
+    servers.release("unplugged", "refused")
+
+
+def test_stop_strings_and_several_samples_keep_their_rules(servers, collector, prompts):
+    chain, spool = servers("chain")
+    free = generate(chain, prompts[2])
+    text = free["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), f"the tiny model's answer has no usable middle: {text!r}"
+    stopped = generate(chain, prompts[2], record_id="chain-stopped", stop=[stop])
+    assert stopped["meta_info"]["finish_reason"]["type"] == "stop"
+    record = stored_record(collector, "chain-stopped")
+    assert record.token_ids.tolist() == prompts[2] + stopped["output_ids"]  # what the client received
+    assert record.metadata["finish_reason"] == "stop" and record.num_states == record.num_tokens - 1
+    check_served_draft_against_meta_info(record, stopped)
+    before = read_stats(spool).get("dropped", {}).get("generate_tag_with_n_samples", 0)
+    generate(chain, prompts[3], record_id="chain-two-samples", n=2)
+    # SGLang sends the tag with each sample and with its prefix warm-up request: every one is refused, none stored.
+    wait_for(lambda: read_stats(spool).get("dropped", {}).get("generate_tag_with_n_samples", 0) >= before + 2, 30,
+             "the refusal of a generate tag on two samples")
+    with pytest.raises(AssertionError, match="timed out"):
+        stored_record(collector, "chain-two-samples", timeout_s=2)
+    servers.release("chain", "plain")
 
 
 def test_live_sampling_on_a_draft_serving_replica(servers, collector, tiny_model_dir):
@@ -200,27 +243,7 @@ def test_live_sampling_on_a_draft_serving_replica(servers, collector, tiny_model
         assert record.token_ids.tolist() == answer["ids"] + answer["output_ids"]
         check_against_transformers(hf_model, record, rid)
         check_served_draft_against_meta_info(record, answer)
-
-
-def test_stop_strings_and_several_samples_keep_their_rules(servers, collector, prompts):
-    chain, spool = servers("chain")
-    free = generate(chain, prompts[2])
-    text = free["text"]
-    stop = text[len(text) // 2 : len(text) // 2 + 3]
-    assert stop.strip(), f"the tiny model's answer has no usable middle: {text!r}"
-    stopped = generate(chain, prompts[2], record_id="chain-stopped", stop=[stop])
-    assert stopped["meta_info"]["finish_reason"]["type"] == "stop"
-    record = stored_record(collector, "chain-stopped")
-    assert record.token_ids.tolist() == prompts[2] + stopped["output_ids"]  # what the client received
-    assert record.metadata["finish_reason"] == "stop" and record.num_states == record.num_tokens - 1
-    check_served_draft_against_meta_info(record, stopped)
-    before = read_stats(spool).get("dropped", {}).get("generate_tag_with_n_samples", 0)
-    generate(chain, prompts[3], record_id="chain-two-samples", n=2)
-    # SGLang sends the tag with each sample and with its prefix warm-up request: every one is refused, none stored.
-    wait_for(lambda: read_stats(spool).get("dropped", {}).get("generate_tag_with_n_samples", 0) >= before + 2, 30,
-             "the refusal of a generate tag on two samples")
-    with pytest.raises(AssertionError, match="timed out"):
-        stored_record(collector, "chain-two-samples", timeout_s=2)
+    servers.release("live")
 
 
 def test_retracted_generations_are_stored_whole(servers, collector, tiny_model_dir):
