@@ -126,7 +126,7 @@ def test_spec_capture_pools_acceptance_per_verify_step_and_reports_a_column_per_
     assert (pooled["records_agreeing"], pooled["records_compared"]) == (1, 2)  # b's drafts disagree
 
     config = spec_capture.Config(draft_dir="draft", rounds=5)
-    entry = {"ratio": 0.97, "cpu_ratio": 0.98, "sampled": 30, "complete": 30, "unreadable": 0, "coverage": 1.0,
+    entry = {"ratio": 0.97, "ratio_range": [0.91, 1.02], "cpu_ratio": 0.98, "sampled": 30, "complete": 30, "unreadable": 0, "coverage": 1.0,
              "acceptance": pooled, "captured_tokens": 2_400, "dropped": {}, "hook_errors": 0,
              "cpu_us_per_token": {"hook": 3.0, "sender": 20.0, "collector": 10.0, "total": 33.0}}
     measured = {"absent_tokens_s": 40.0, "absent_acceptance": {"meta_info": 2.5, "meta_info_completion": 2.6},
@@ -135,13 +135,14 @@ def test_spec_capture_pools_acceptance_per_verify_step_and_reports_a_column_per_
     _check_well_formed(result)
     assert [key for key, _, _ in result["columns"]] == ["item", "live0.1", "live1"]
     rows = {row["item"]: row for row in result["rows"]}
-    assert rows["served throughput / no plugin (generated tok/s, median of 5 rounds)"]["live0.1"] == "0.970"
+    assert rows["served throughput / no plugin (generated tok/s, median of 5 rounds; their range)"]["live0.1"] == (
+        "0.970 (0.91-1.02)")
     assert rows["coverage: complete records / sampled requests"]["live1"] == "1.0000 (30/30, 0 unreadable)"
     assert rows["  records whose verify steps and accepted drafts equal meta_info's"]["live1"] == "1/2"
     assert result["notes"][-1].endswith("live1: 1 missing_rows, 0 hook errors")
     markdown = render_markdown({"mode": "full", "wall_s": 1.0, "machine": machine_info(),
                                 "benchmarks": {"spec-capture": result}})
-    assert "| served throughput / no plugin (generated tok/s, median of 5 rounds) | 0.970 | 0.970 |" in markdown
+    assert "| served throughput / no plugin (generated tok/s, median of 5 rounds; their range) | 0.970 (0.91-1.02) |" in markdown
 
 
 def test_codec_acceptance_trains_paired_drafts_per_codec_and_evaluates_them_on_lossless_held_out_shards(
