@@ -14,8 +14,9 @@ request the radix cache may serve), and `on_batch_processed`, AFTER `Scheduler.p
 
 On a replica that serves an EAGLE-3 draft (`speculative.py`) the same hook takes the extend rows; the
 verify rows come through `on_spec_forward`, AFTER `EAGLEWorkerV2.forward_batch_generation`, and
-`on_batch_processed` keeps the accepted ones. `on_spec_forward_begin` (BEFORE it) computes the draft's
-identity when it is unknown: at the first forward, and after every weight update (`on_weights_updated`).
+`on_batch_processed` keeps the accepted ones. `on_spec_forward_begin` (BEFORE it) remembers the
+speculative worker; the draft's identity is computed from it at the first forward (SGLang's own health
+check), and again at the first forward after a weight update (`on_weights_updated`).
 """
 
 from __future__ import annotations
@@ -194,8 +195,8 @@ class CaptureHook:
 
     def served_draft(self) -> tuple[str, SpecServing] | None:
         """(identity, how it drafts) for the records of a replica that serves a draft; None on one without.
-        The identity is computed here, on the scheduler's thread between forwards, when it is not known: for
-        the first record, and the first after a weight update."""
+        The identity is computed here, on the scheduler's thread between forwards, when it is not known (see
+        `on_spec_forward`); "unknown" if that fails (counted as a hook error, logged once)."""
         if self._spec is None:
             return None
         if self._draft_identity is None:
@@ -242,9 +243,7 @@ class CaptureHook:
         return CudaRowCopier(torch.device("cuda", torch.cuda.current_device()), self._settings.host_buffer_bytes)
 
     def _start(self, worker: Any) -> None:
-        from sglang.srt.runtime_context import get_exec
-
-        from sglang.srt.runtime_context import get_spec
+        from sglang.srt.runtime_context import get_exec, get_spec
 
         features = get_exec().features  # the resolved settings, what the model runner itself reads
         layer_ids = features.return_aux_hidden_state_layer_ids
