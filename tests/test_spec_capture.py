@@ -13,6 +13,7 @@ Every server but `retract` prefills in chunks of 24 tokens, shorter than every p
 from __future__ import annotations
 
 import concurrent.futures
+import json
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,8 @@ from capture_format.tag import CaptureTag
 from capture_helpers import aux_as_float, final_as_float, read_stats, stored_record, wait_for
 from eagle_tap.cli import main
 from eagle_tap.sglang_server import ServerConfig, SGLangServer, post_json
-from eagle_tap.served.draft import SpeculativeConfig
+from eagle_tap.served.draft import DraftMismatchError, SpeculativeConfig
+from eagle_tap.served.swap import swap_draft, weights_checksum
 from sglang_patch.selection import is_sampled
 from sglang_patch.speculative import METADATA_KEY, accepted_from_metadata
 from test_prefix_capture import check_against_transformers, resolved_record
@@ -202,29 +204,6 @@ def test_capture_changes_nothing_a_user_receives_even_when_it_refuses(servers, p
     servers.release("unplugged", "refused")
 
 
-def swap_draft_weights(server, draft_dir: Path) -> None:
-    """SGLang's own in-place update of the serving draft (a weight-update session, selector "draft"): the draft's
-    tensors but its vocab mapping and the embedding it shares with the target, handed over as shared memory."""
-    import base64
-
-    from safetensors.torch import load_file
-    from sglang.srt.utils import MultiprocessingSerializer
-
-    named = [(name, tensor) for name, tensor in sorted(load_file(draft_dir / "model.safetensors").items())
-             if name not in ("d2t", "t2d") and "embed_tokens" not in name]
-    strategy = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_system")  # a file descriptor cannot cross to the server
-    try:
-        payload = base64.b64encode(MultiprocessingSerializer.serialize(named)).decode()
-        post_json(f"{server.url}/begin_weight_update", {"selector": "draft"})
-        answer = post_json(f"{server.url}/update_weights_from_tensor", {
-            "serialized_named_tensors": [payload], "selector": "draft", "flush_cache": False})
-        post_json(f"{server.url}/end_weight_update", {})
-    finally:
-        torch.multiprocessing.set_sharing_strategy(strategy)
-    assert answer["success"], answer
-
-
 def test_records_name_the_draft_that_served_them_across_a_weight_swap(servers, collector, prompts, untrained_draft,
                                                                        draft):
     chain, _ = servers("chain")
@@ -236,12 +215,39 @@ def test_records_name_the_draft_that_served_them_across_a_weight_swap(servers, c
         return served["draft"], (served["accepted_drafts"] + served["verify_steps"]) / served["verify_steps"]
 
     trained, trained_acceptance = served_by("swap-before")
-    swap_draft_weights(chain, untrained_draft)
+    to_untrained = swap_draft(chain.url, untrained_draft, serving_dir=draft)
     untrained, untrained_acceptance = served_by("swap-untrained")
-    swap_draft_weights(chain, draft)
+    back = swap_draft(chain.url, draft, serving_dir=draft)
     again, again_acceptance = served_by("swap-back")
     assert untrained != trained and again == trained  # the identity follows the weights, not the folder
     assert untrained_acceptance < trained_acceptance == again_acceptance
+    # SGLang's own checksums: the draft moved and came back, the target never moved.
+    assert to_untrained.verified and back.verified
+    assert to_untrained.draft_checksum_after != to_untrained.draft_checksum_before == back.draft_checksum_after
+    assert to_untrained.num_tensors > 0 and to_untrained.paused_s < 5
+
+
+def test_a_draft_that_cannot_swap_in_place_is_refused_before_the_replica_is_touched(servers, draft, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    chain, _ = servers("chain")
+    before = weights_checksum(chain.url, "draft")
+    remapped = tmp_path / "remapped"
+    shutil.copytree(draft, remapped)
+    tensors = load_file(remapped / "model.safetensors")
+    tensors["d2t"] = tensors["d2t"].flip(0)  # another vocab mapping: SGLang would keep using the old one
+    save_file(tensors, remapped / "model.safetensors")
+    with pytest.raises(DraftMismatchError, match="vocab mapping"):
+        swap_draft(chain.url, remapped, serving_dir=draft)
+    wider = tmp_path / "wider"
+    shutil.copytree(draft, wider)
+    config = json.loads((wider / "config.json").read_text())
+    (wider / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
+    with pytest.raises(DraftMismatchError, match="intermediate_size"):
+        swap_draft(chain.url, wider, serving_dir=draft)
+    assert weights_checksum(chain.url, "draft") == before
 
 
 def test_stop_strings_and_several_samples_keep_their_rules(servers, collector, prompts):

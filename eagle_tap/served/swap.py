@@ -1,0 +1,152 @@
+"""Put an exported draft into a running SGLang replica in place, through SGLang 0.5.23's own weight-update API.
+
+The sequence (run against SGLang's CPU speculative path; `tests/test_spec_capture.py` swaps for real):
+`POST /pause_generation {"mode": "in_place"}` (running requests wait where they are, none is dropped),
+`/begin_weight_update {"selector": "draft"}`, `/update_weights_from_tensor {"serialized_named_tensors":
+[payload], "selector": "draft", "flush_cache": false}`, `/end_weight_update`, `/continue_generation`.
+The payload is SGLang's own `MultiprocessingSerializer` over the draft's tensors with torch's `file_system`
+sharing strategy: the tensors travel as shared-memory handles, so the sender must run on the replica's host
+(the default `file_descriptor` strategy makes the scheduler fail with `AuthenticationError` and exit).
+`/update_weights_from_disk` is never used: it has no selector and loads the path into the target too.
+
+What must hold:
+- a draft that cannot take the serving one's place (another vocab mapping, which SGLang would silently keep
+  using, another hidden size, aux layer ids, vocab or tensor shapes) is refused before the replica is touched;
+- `embed_tokens` (the target's own tensor, shared by the draft) and `d2t`/`t2d` (copied once at start-up,
+  ignored after) are never sent;
+- generation is paused only around the three weight-update calls, and continued even when one fails;
+- the result says what changed: the draft's and the target's checksums (`/weights_checker`) before and after.
+  The target's must not move; `SwapResult.verified` says whether both held.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from eagle_tap.served.draft import DraftMismatchError
+from eagle_tap.sglang_server import post_json
+
+NEVER_SENT = ("d2t", "t2d")
+"""Tensors of an exported draft that stay out of a swap (besides any `embed_tokens`)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SwapResult:
+    """What one swap did, in SGLang's own figures."""
+
+    draft_checksum_before: str
+    draft_checksum_after: str
+    target_checksum_before: str
+    target_checksum_after: str
+    paused_s: float
+    """How long generation was paused (pause to continue), the scheduler's stall for running requests."""
+    num_tensors: int
+
+    @property
+    def verified(self) -> bool:
+        """The target's weights did not move and the draft's did (unless the same weights were sent again)."""
+        return self.target_checksum_after == self.target_checksum_before
+
+
+def _safetensors_header(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as file:
+        size = int.from_bytes(file.read(8), "little")
+        return json.loads(file.read(size))
+
+
+def check_swappable(candidate_dir: str | Path, serving_dir: str | Path) -> None:
+    """Raise DraftMismatchError unless the draft in candidate_dir can replace the one served from serving_dir
+    in place: same architecture, sizes, aux layer ids and vocab mapping, same tensor names and shapes."""
+    candidate_dir, serving_dir = Path(candidate_dir), Path(serving_dir)
+    configs = []
+    for folder in (candidate_dir, serving_dir):
+        try:
+            configs.append(json.loads((folder / "config.json").read_text(encoding="utf-8")))
+        except (OSError, ValueError) as error:
+            raise DraftMismatchError(f"cannot read the draft config in {folder}: {error}") from None
+    candidate, serving = configs
+    for key in ("architectures", "hidden_size", "target_hidden_size", "vocab_size", "draft_vocab_size",
+                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if candidate.get(key) != serving.get(key):
+            raise DraftMismatchError(f"{candidate_dir} has {key} {candidate.get(key)!r}, the serving draft "
+                                     f"{serving.get(key)!r}: a swap cannot change it (restart the replica)")
+    layer_ids = [(config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") for config in configs]
+    if layer_ids[0] != layer_ids[1]:
+        raise DraftMismatchError(f"{candidate_dir} reads aux layer ids {layer_ids[0]}, the serving draft "
+                                 f"{layer_ids[1]}: a swap cannot change them")
+    headers = [_safetensors_header(folder / "model.safetensors") for folder in (candidate_dir, serving_dir)]
+    shapes = [{name: (entry["dtype"], entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+              for header in headers]
+    if shapes[0] != shapes[1]:
+        differing = sorted(name for name in shapes[0].keys() | shapes[1].keys() if shapes[0].get(name) != shapes[1].get(name))
+        raise DraftMismatchError(f"{candidate_dir} and the serving draft differ in tensors {differing[:5]}")
+    from safetensors import safe_open
+
+    for name in NEVER_SENT:
+        if name not in shapes[0]:
+            continue
+        with safe_open(candidate_dir / "model.safetensors", "pt") as new, \
+                safe_open(serving_dir / "model.safetensors", "pt") as old:
+            if not new.get_tensor(name).equal(old.get_tensor(name)):
+                raise DraftMismatchError(f"{candidate_dir} has another vocab mapping ({name}) than the serving draft: "
+                                         "SGLang keeps the mapping it started with, so this draft needs a restart")
+
+
+def draft_tensors(draft_dir: str | Path) -> list[tuple[str, Any]]:
+    """The tensors a swap sends, under the exported names (SGLang's EAGLE-3 draft maps them itself)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(Path(draft_dir) / "model.safetensors")
+    return [(name, tensor) for name, tensor in sorted(tensors.items())
+            if name not in NEVER_SENT and "embed_tokens" not in name]
+
+
+def weights_checksum(url: str, selector: str) -> str:
+    """SGLang's checksum of a replica's target or draft weights."""
+    answer = post_json(f"{url}/weights_checker", {"action": "checksum", "selector": selector})
+    checksum = answer.get("per_engine_checksum") if isinstance(answer, dict) else None
+    if not checksum:
+        raise RuntimeError(f"{url}/weights_checker gave no checksum for the {selector}: {str(answer)[:200]}")
+    return str(checksum)
+
+
+def _serialize(named: list[tuple[str, Any]]) -> str:
+    import torch
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")  # a file descriptor cannot cross to the server
+    try:
+        return base64.b64encode(MultiprocessingSerializer.serialize(named)).decode()
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
+
+
+def swap_draft(url: str, candidate_dir: str | Path, *, serving_dir: str | Path) -> SwapResult:
+    """Replace the weights of the draft the replica at url serves (from serving_dir) by candidate_dir's, in place."""
+    check_swappable(candidate_dir, serving_dir)
+    named = draft_tensors(candidate_dir)  # kept alive until the update returned: the payload only points at them
+    payload = _serialize(named)
+    draft_before, target_before = weights_checksum(url, "draft"), weights_checksum(url, "target")
+    post_json(f"{url}/pause_generation", {"mode": "in_place"})
+    paused_at = time.perf_counter()
+    try:
+        post_json(f"{url}/begin_weight_update", {"selector": "draft"})
+        try:
+            answer = post_json(f"{url}/update_weights_from_tensor", {
+                "serialized_named_tensors": [payload], "selector": "draft", "flush_cache": False})
+        finally:
+            post_json(f"{url}/end_weight_update", {})
+    finally:
+        post_json(f"{url}/continue_generation", {})
+        paused_s = time.perf_counter() - paused_at
+    if not answer.get("success", False):
+        raise RuntimeError(f"SGLang refused the draft update: {answer.get('message')}")
+    return SwapResult(draft_checksum_before=draft_before, draft_checksum_after=weights_checksum(url, "draft"),
+                      target_checksum_before=target_before, target_checksum_after=weights_checksum(url, "target"),
+                      paused_s=paused_s, num_tensors=len(named))
