@@ -8,12 +8,14 @@ Values come from frames as stored; `verify` is what checks them.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from capture_format.codec_base import ErrorSums
 from capture_format.codecs import get_codec
 from capture_format.errors import CaptureFormatError
+from capture_format.frame_header import FrameInfo
 from capture_format.frames import FRAME_PREFIX_NBYTES, check_header, codec_for_states, parse_frame_prefix
 from capture_format.shard_index import IndexEntry, ShardIndex
 from capture_format.shard_reader import ShardDirectory
@@ -42,7 +44,7 @@ class CodecTally:
         return self.raw_nbytes / self.stored_nbytes if self.stored_nbytes else 0.0
 
 
-def _read_entry(fd: int, entry: IndexEntry, tallies: dict[str, CodecTally]) -> None:
+def _read_entry(fd: int, entry: IndexEntry, tallies: dict[str, CodecTally]) -> FrameInfo:
     head = os.pread(fd, FRAME_PREFIX_NBYTES, entry.offset)
     prefix = parse_frame_prefix(head)
     header = os.pread(fd, prefix.header_nbytes, entry.offset + FRAME_PREFIX_NBYTES)
@@ -60,10 +62,13 @@ def _read_entry(fd: int, entry: IndexEntry, tallies: dict[str, CodecTally]) -> N
                                          payload_start + tensor.offset))
             error = codec.stored_error(stored, tensor.layout)
             tally.error = error if tally.error is None else tally.error + error
+    return info
 
 
-def codec_summary(directory: ShardDirectory) -> tuple[dict[str, CodecTally], list[str]]:
-    """(codec spec -> tally over the sealed shards' records, problems met while reading headers)."""
+def codec_summary(directory: ShardDirectory, on_header: Callable[[IndexEntry, FrameInfo], None] | None = None,
+                  ) -> tuple[dict[str, CodecTally], list[str]]:
+    """(codec spec -> tally over the sealed shards' records, problems met while reading headers).
+    on_header, if given, gets each header read, so other readers of headers (stats' served drafts) share the pass."""
     tallies: dict[str, CodecTally] = {}
     problems = []
     for shard in directory.shards:
@@ -71,9 +76,12 @@ def codec_summary(directory: ShardDirectory) -> tuple[dict[str, CodecTally], lis
         try:
             for entry in shard.entries:
                 try:
-                    _read_entry(fd, entry, tallies)
+                    info = _read_entry(fd, entry, tallies)
                 except (CaptureFormatError, ValueError) as err:
                     problems.append(f"{shard.shard_path.name} at offset {entry.offset}: {err}")
+                    continue
+                if on_header is not None:
+                    on_header(entry, info)
         finally:
             os.close(fd)
     return tallies, problems

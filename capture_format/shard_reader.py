@@ -19,7 +19,6 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from capture_format.errors import CaptureFormatError, ChecksumError, FrameError, ShardError
-from capture_format.frame_header import FrameInfo
 from capture_format.frames import decode_frame, inspect_frame_header, parse_frame_prefix
 from capture_format.object_store import RecordCache, is_remote
 from capture_format.prefix_blocks import BlockCache, is_prefix_block, resolve_prefix
@@ -32,7 +31,7 @@ from capture_format.shard_index import (
     load_index,
     shard_stem,
 )
-from capture_format.token_ids import RecordTokens, read_header, read_token_ids
+from capture_format.token_ids import RecordTokens, read_token_ids
 
 if TYPE_CHECKING:
     from capture_format.remote_shards import RemoteShardDirectory
@@ -187,10 +186,6 @@ class ShardDirectory(IndexedShards):
     def read_token_ids(self, entry: IndexEntry) -> RecordTokens:
         """Token ids and loss spans of the record at entry (capture_format.token_ids), nothing of its states."""
         return read_token_ids(entry, self._fd(entry))
-
-    def read_header(self, entry: IndexEntry) -> FrameInfo:
-        """The checked header of the record at entry, its metadata among it; no tensor is read (token_ids.py)."""
-        return read_header(entry, self._fd(entry))
 
     def prefetch(self, entries: Iterable[IndexEntry]) -> None:
         """Nothing to do for a local folder (RemoteShardDirectory fetches ahead here)."""

@@ -1,14 +1,13 @@
-"""Reading only the header, or the header and token ids, of an indexed record, without touching its states.
+"""Reading only the token ids and loss spans of an indexed record, without touching its states.
 
 Counting token frequencies over a capture (the vocab mapping) needs ids and spans, which are a few
 bytes per token against tens of kilobytes of hidden states. `read_token_ids` preads the frame's
-prefix, its header and its token_ids tensor, and nothing else; `read_header` stops after the header
-(a record's metadata, for `eagle-tap shards stats`).
+prefix, its header and its token_ids tensor, and nothing else.
 
-What must hold: the header comes back only if the frame's header checksum is the index entry's and
-the header parses under the frame rules and names the entry's record; the ids and spans only if, in
-addition, the token_ids bytes match their stored and decoded checksums and the entry's ids digest;
-otherwise ChecksumError or FrameError naming shard and offset, as `ShardDirectory.read_record` does.
+What must hold: the ids and spans come back only if the frame's header checksum is the index
+entry's, the header parses under the frame rules, the token_ids bytes match their stored and
+decoded checksums and the entry's ids digest; otherwise ChecksumError or FrameError naming shard
+and offset, as `ShardDirectory.read_record` does.
 """
 
 from __future__ import annotations
@@ -16,16 +15,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 
 from capture_format.errors import CaptureFormatError, ChecksumError, FrameError
-from capture_format.frame_header import FrameInfo
 from capture_format.frames import FRAME_PREFIX_NBYTES, check_header, decode_tensor, parse_frame_prefix
 from capture_format.shard_index import IndexEntry
 
-__all__ = ["RecordTokens", "read_header", "read_token_ids", "read_token_ids_from_frame"]
+__all__ = ["RecordTokens", "read_token_ids", "read_token_ids_from_frame"]
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class RecordTokens:
@@ -46,7 +43,6 @@ class RecordTokens:
 
 Pread = Callable[[int, int], bytes]
 """pread(nbytes, offset) -> the bytes of the shard at offset (fewer at its end)."""
-T = TypeVar("T")
 
 
 def _exactly(pread: Pread, nbytes: int, offset: int) -> bytes:
@@ -56,7 +52,7 @@ def _exactly(pread: Pread, nbytes: int, offset: int) -> bytes:
     return data
 
 
-def _read_header(pread: Pread, entry: IndexEntry) -> FrameInfo:
+def _read(pread: Pread, entry: IndexEntry) -> RecordTokens:
     prefix_bytes = _exactly(pread, FRAME_PREFIX_NBYTES, entry.offset)
     prefix = parse_frame_prefix(prefix_bytes)
     if prefix.header_xxh3_64 != entry.header_xxh3_64:
@@ -68,11 +64,6 @@ def _read_header(pread: Pread, entry: IndexEntry) -> FrameInfo:
     info = check_header(prefix, prefix_bytes, _exactly(pread, prefix.header_nbytes, entry.offset + FRAME_PREFIX_NBYTES))
     if info.record_id != entry.record_id:
         raise FrameError(f"frame holds record {info.record_id!r}; the index says {entry.record_id!r}")
-    return info
-
-
-def _read(pread: Pread, entry: IndexEntry) -> RecordTokens:
-    info = _read_header(pread, entry)
     if info.ids_xxh3_64 != entry.ids_xxh3_64:
         raise ChecksumError(f"frame's token ids hash to {info.ids_xxh3_64}; the index says {entry.ids_xxh3_64}")
     tensor = info.tensors[0]  # token_ids, always first in the payload
@@ -81,10 +72,9 @@ def _read(pread: Pread, entry: IndexEntry) -> RecordTokens:
     return RecordTokens(record_id=info.record_id, token_ids=token_ids, loss_spans=info.loss_spans)
 
 
-def _read_naming(pread: Pread, entry: IndexEntry, shard_name: str,
-                 read: Callable[[Pread, IndexEntry], T] = _read) -> T:
+def _read_naming(pread: Pread, entry: IndexEntry, shard_name: str) -> RecordTokens:
     try:
-        return read(pread, entry)
+        return _read(pread, entry)
     except ChecksumError as err:
         raise ChecksumError(f"{shard_name} at offset {entry.offset}: {err}") from None
     except CaptureFormatError as err:
@@ -101,13 +91,6 @@ def read_token_ids(entry: IndexEntry, fd: int | None = None) -> RecordTokens:
     finally:
         if own_fd:
             os.close(fd)
-
-
-def read_header(entry: IndexEntry, fd: int) -> FrameInfo:
-    """The checked header of the record at entry (metadata, spans, tensor layout), no tensor read;
-    fd: an open read descriptor of entry's shard."""
-    return _read_naming(lambda nbytes, offset: os.pread(fd, nbytes, offset), entry, str(entry.shard_path),
-                        _read_header)
 
 
 def read_token_ids_from_frame(frame: bytes, entry: IndexEntry, shard_name: str) -> RecordTokens:

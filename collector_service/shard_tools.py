@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
 from capture_format import (
-    CaptureFormatError,
     InvalidRecordError,
     ShardDirectory,
     ShardError,
@@ -35,11 +35,14 @@ from capture_format import (
     repair_shard,
     verify_shard,
 )
+from capture_format.frame_header import FrameInfo
+from capture_format.prefix_blocks import is_prefix_block
 from capture_format.shard_codecs import codec_summary, format_codec_summary, recode_shards
 from capture_format.shard_index import (
     QUARANTINE_DIR_NAME,
     SEALED_SUFFIX,
     UPLOADED_DIR_NAME,
+    IndexEntry,
     index_path_for,
     list_shard_files,
     shard_stem,
@@ -50,10 +53,12 @@ from capture_format.tables import text_table
 __all__ = ["print_stats", "recode_directory", "repair_directory", "verify_directory"]
 
 
-def _print_codecs(data_dir: Path, out: TextIO) -> list[str]:
-    """Prints the codecs of the readable sealed shards' records; returns the problems met reading them."""
+def _print_codecs(data_dir: Path, out: TextIO,
+                  on_header: Callable[[IndexEntry, FrameInfo], None] | None = None) -> list[str]:
+    """Prints the codecs of the readable sealed shards' records; returns the problems met reading them.
+    on_header gets each header read (`codec_summary`)."""
     with ShardDirectory(data_dir, skip_damaged=True) as shards:
-        tallies, problems = codec_summary(shards)
+        tallies, problems = codec_summary(shards, on_header)
     for line in format_codec_summary(tallies):
         print(f"codec {line}", file=out)
     return problems
@@ -184,24 +189,23 @@ def print_stats(data_dir: Path | str, *, out: TextIO) -> None:
         print("codecs: not listed for an object store, nor the drafts that served records (stats reads its "
               "indexes only)", file=out)
         return
-    for problem in _print_codecs(data_dir, out):
+    served, served_problems = [], []
+
+    def take_served_draft(entry: IndexEntry, info: FrameInfo) -> None:
+        if is_prefix_block(entry.record_id):
+            return  # shared-prefix blocks are parts of records, not records
+        try:
+            served.append(ServedDraft.from_metadata(info.metadata))
+        except InvalidRecordError as err:
+            served_problems.append(f"{entry.shard_path.name} record {entry.record_id}: {err}")
+
+    for problem in _print_codecs(data_dir, out, on_header=take_served_draft):  # one pass over the headers
         print(f"  {problem}", file=out)
-    _print_served_drafts(data_dir, out)
+    _print_served_drafts(served, served_problems, out)
 
 
-def _print_served_drafts(data_dir: Path, out: TextIO) -> None:
+def _print_served_drafts(served: list[ServedDraft | None], problems: list[str], out: TextIO) -> None:
     """The served acceptance of each draft that served the records, pooled; nothing when no record carries one."""
-    served, problems = [], []
-    with ShardDirectory(data_dir, skip_damaged=True) as shards:
-        for entry in shards.iter_index():
-            try:
-                metadata = shards.read_header(entry).metadata
-            except CaptureFormatError:
-                continue  # a header that does not read is named among the codecs' problems above
-            try:
-                served.append(ServedDraft.from_metadata(metadata))
-            except InvalidRecordError as err:
-                problems.append(f"{entry.shard_path.name} record {entry.record_id}: {err}")
     tallies, num_without_draft = pool_served_drafts(served)
     if not tallies and not problems:
         return
