@@ -129,9 +129,10 @@ def enable_aux_capture(server_args: Any, previous, *, settings: CaptureSettings)
             if settings.capture_layers and list(settings.capture_layers) != layers:
                 logger.warning("eagle-tap: EAGLE_TAP_CAPTURE_LAYERS=%s ignored: the server flags capture layers %s",
                                settings.capture_layers, layers)
-        elif cfg.speculative_draft_model_path is not None or spec_serving(cfg) is not None:
-            spec = spec_serving(cfg)
+        elif (spec := spec_serving(cfg)) is not None or cfg.speculative_draft_model_path is not None:
             try:
+                if spec is None:
+                    raise SpecCaptureRefused("the server names a draft model but no speculative algorithm")
                 layers = spec_capture_layers(spec, architecture, num_layers, settings.capture_layers)
                 logger.info("eagle-tap: capturing the inputs of layers %s of %s (%d layers) from the target's "
                             "forwards of EAGLE3 speculative decoding with the draft %s", layers, architecture,
