@@ -1,0 +1,102 @@
+"""`eagle-tap loop init | run | status`: the closed loop from captured traffic to the served draft."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+__all__ = ["add_commands"]
+
+
+def _config(args: argparse.Namespace):
+    from trainer.config_io import load_config
+
+    from eagle_tap.loop.run import LoopConfig
+
+    overrides = list(args.set)
+    for name in ("registry", "shards", "target", "draft_config", "vocab", "work_dir", "regression_shards"):
+        value = getattr(args, name, None)
+        if value is not None:
+            overrides.append(f"{name}={json.dumps(value)}")
+    if args.replica:
+        overrides.append(f"replicas={json.dumps(args.replica)}")
+    return load_config(LoopConfig, args.config, overrides)
+
+
+def _init(args: argparse.Namespace) -> int:
+    from eagle_tap.loop.run import Loop
+
+    with Loop(_config(args)) as loop:
+        name = loop.init(args.draft)
+    print(f"registered {args.draft} as {name} (promoted) in {args.registry or loop.config.registry}")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from eagle_tap.cli import interrupt_on_signals
+    from eagle_tap.loop.run import Loop
+
+    config = _config(args)
+    with interrupt_on_signals(), Loop(config, log_line=lambda line: print(line, flush=True)) as loop:
+        try:
+            loop.run(max_ticks=args.max_ticks)
+        except KeyboardInterrupt:
+            print("stopped; the registry is consistent (state.json is replaced whole, versions are written "
+                  "before they are recorded)", flush=True)
+            return 130
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from eagle_tap.loop.registry import Registry
+    from eagle_tap.loop.status import collect, format_status, plot_status
+
+    status = collect(Registry(args.registry, create=False))
+    if args.json:
+        print(json.dumps(status, indent=2, default=str))
+    else:
+        print(format_status(status, num_events=args.events))
+    if args.plot:
+        plot_status(status, Path(args.plot))
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML or JSON file of LoopConfig settings (eagle_tap/loop/run.py)")
+    parser.add_argument("--registry", help="folder or s3:// prefix of the draft registry")
+    parser.add_argument("--shards", help="the shard set the collectors write (folder or s3:// prefix)")
+    parser.add_argument("--replica", action="append", default=[], help="base URL of a replica (repeat for each)")
+    parser.add_argument("--target", help="target model folder")
+    parser.add_argument("--draft-config", dest="draft_config", help="the draft config (eagle-tap draft-config)")
+    parser.add_argument("--vocab", help="the vocab mapping folder every version shares")
+    parser.add_argument("--work-dir", dest="work_dir", help="local folder for each round's runs")
+    parser.add_argument("--regression-shards", dest="regression_shards",
+                        help="fixed greedy shard set: regression check and probe prompts")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="any other LoopConfig setting, e.g. --set min_new_records=32")
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    loop = subparsers.add_parser(
+        "loop", help="train on captured traffic, gate, swap the draft into running replicas, watch it",
+        description="The closed loop: rounds of warm-started training on new records, a gate on held-out new "
+        "records and a regression set, in-place swaps into every replica through SGLang's weight-update API with "
+        "verification and rollback, and served acceptance over time. See the README's closed-loop section.")
+    commands = loop.add_subparsers(dest="loop_command", required=True)
+    init = commands.add_parser("init", help="start a registry with the draft the replicas serve now (v0001)")
+    _common(init)
+    init.add_argument("--draft", required=True, help="the exported draft folder the replicas were started with")
+    init.set_defaults(run=_init)
+    run = commands.add_parser("run", help="run the loop (one per registry) until Ctrl-C")
+    _common(run)
+    run.add_argument("--max-ticks", type=int, default=None, help="stop after N ticks (default: run until stopped)")
+    run.set_defaults(run=_run)
+    status = commands.add_parser("status", help="versions, replicas, served acceptance over time, events")
+    status.add_argument("--registry", required=True, help="folder or s3:// prefix of the draft registry")
+    status.add_argument("--plot", help="also draw served acceptance over time into this PNG")
+    status.add_argument("--events", type=int, default=20, help="recent events to print (default 20)")
+    status.add_argument("--json", action="store_true", help="print everything as JSON")
+    status.set_defaults(run=_status)

@@ -1,0 +1,225 @@
+"""One round of the loop: new records -> held out / trained on -> candidate -> evaluated beside the promoted one -> gate.
+
+- New records: records of the shard set that no earlier round trained on or held out, in the order the
+  collectors stored them (shard by shard, in each shard by offset). A round starts once there are
+  `min_new_records` of them, or once the oldest has waited `max_age_s` (given enough to hold some out).
+- The newest `heldout_fraction` of them (at least `min_heldout_records`) are held out: the candidate never
+  trains on them, and both drafts are judged on them.
+- Coverage first: the share of the new records' loss tokens inside the draft vocabulary. Below
+  `min_coverage` the round trains nothing and says that a new mapping (a retrain and a restart) is needed:
+  SGLang keeps the mapping a replica started with, so no swap can fix it.
+- The candidate starts from the promoted version's weights (`init_from`, same vocab mapping) and trains on
+  the rest of the new records plus `replay_ratio` times as many records of earlier rounds (replay keeps what
+  older traffic taught), with a fresh optimizer.
+- Evaluation: `eagle-tap eval`'s served walk at the replicas' chain length (the simulation of what SGLang
+  counts per verify step), for candidate and promoted version, on the held-out records and on the
+  regression set.
+- Gate: promote only if the candidate's served walk on the held-out records beats the promoted version's by
+  `gate_margin` and falls on the regression set by at most `regression_tolerance`.
+What must hold: every round that decided anything is written down (rounds/rNNNN.json, and the version with
+its eval); a candidate is stored as a version before any decision about it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from eagle_tap.loop.run import Loop
+
+
+def ids_digest(record_ids: list[str]) -> str:
+    """sha256 over the sorted record ids (a round's training set, named in one string)."""
+    return hashlib.sha256("\n".join(sorted(record_ids)).encode()).hexdigest()
+
+
+def shard_entries(shards: str) -> list[Any]:
+    """Every record's index entry, in the order the collectors stored them."""
+    import capture_format as cf
+
+    with cf.open_shard_directory(shards, skip_damaged=True) as directory:
+        return list(directory.iter_index())
+
+
+def new_records(loop: Loop) -> list[Any]:
+    used = loop.registry.used_record_ids()
+    now = time.time()
+    entries = [entry for entry in shard_entries(loop.config.shards) if entry.record_id not in used]
+    for entry in entries:
+        loop.first_seen.setdefault(entry.record_id, now)
+    return entries
+
+
+def due(loop: Loop, entries: list[Any]) -> str | None:
+    """Why a round starts now, or None."""
+    config = loop.config
+    if len(entries) >= config.min_new_records:
+        return f"{len(entries)} new records (at least {config.min_new_records})"
+    if config.max_age_s is not None and len(entries) > config.min_heldout_records:
+        oldest = min(loop.first_seen[entry.record_id] for entry in entries)
+        if time.time() - oldest >= config.max_age_s:
+            return f"{len(entries)} new records, the oldest waiting {time.time() - oldest:.0f} s"
+    return None
+
+
+def coverage(loop: Loop, entries: list[Any]) -> dict[str, Any]:
+    """Share of the entries' loss tokens that the draft vocabulary holds."""
+    import capture_format as cf
+    import numpy as np
+
+    from trainer.vocab import load_vocab_mapping
+
+    mapping = load_vocab_mapping(loop.config.vocab)
+    in_draft = np.zeros(mapping.t2d.size, dtype=bool)
+    in_draft[mapping.draft_token_ids] = True
+    total = covered = 0
+    with cf.open_shard_directory(loop.config.shards, skip_damaged=True) as directory:
+        for entry in entries:
+            tokens = directory.read_token_ids(entry)
+            loss_ids = tokens.token_ids[tokens.loss_mask().astype(bool)]
+            total += int(loss_ids.size)
+            covered += int(in_draft[loss_ids].sum())
+    return {"loss_tokens": total, "covered": covered, "coverage": covered / total if total else 1.0}
+
+
+def write_ids(path: Path, record_ids: list[str]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"{record_id}\n" for record_id in record_ids), encoding="utf-8")
+    return path
+
+
+def evaluate_draft(loop: Loop, draft_dir: Path, shards: str, record_ids: list[str], *,
+                   served_max_new_tokens: int | None = None) -> dict[str, Any]:
+    """eval's figures for an exported draft on exactly these records, at the replicas' chain length."""
+    from trainer.evaluate import evaluate
+
+    ids_file = write_ids(Path(loop.config.work_dir) / "ids" / f"{ids_digest(record_ids)[:16]}.txt", record_ids)
+    result = evaluate(draft_dir, shards, record_ids=str(ids_file), target=loop.config.target, vocab=loop.config.vocab,
+                      max_length=loop.config.max_length, served_max_new_tokens=served_max_new_tokens)
+    index = result["chain_lengths"].index(loop.config.num_steps)
+    draft = result["drafts"]["draft"]
+    return {"served_walk": draft["served_walk_acceptance_length"][index],
+            "acceptance_length": draft["acceptance_length"][index], "num_records": result["num_records"],
+            "step_accuracy": draft.get("step_accuracy")}
+
+
+def train_candidate(loop: Loop, round_dir: Path, init_from: Path, record_ids: list[str]) -> dict[str, Any]:
+    from trainer.config_io import config_from_dict
+    from trainer.export import export
+    from trainer.train import Config as TrainConfig
+    from trainer.train import train
+
+    config = loop.config
+    run_dir = round_dir / "train"
+    settings = {
+        "target": config.target, "draft_config": config.draft_config, "vocab": config.vocab, "out_dir": str(run_dir),
+        "seed": config.seed, "init_from": str(init_from),
+        "data": {"shards": config.shards, "record_ids": str(write_ids(round_dir / "train-records.txt", record_ids)),
+                 "batch_size": config.batch_size, "max_length": config.max_length, "seed": config.seed},
+        "objective": {"ttt_steps": config.ttt_steps},
+        "optimizer": {"learning_rate": config.learning_rate, "warmup_steps": config.warmup_steps},
+        "num_steps": config.train_steps, "log_every": max(1, config.train_steps // 10), "checkpoint_every": 0,
+        "progress_bar": sys.stderr.isatty(),
+    }
+    summary = train(config_from_dict(TrainConfig, settings))
+    folder = export(run_dir, round_dir / "export")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    logged = [line for line in lines if line["kind"] == "train"]
+    return {"run_dir": str(run_dir), "export": str(folder), "steps": summary["step"],
+            "first_loss": logged[0]["loss"], "last_loss": logged[-1]["loss"]}
+
+
+def gate(loop: Loop, new: dict[str, dict[str, Any]], regression: dict[str, dict[str, Any]] | None) -> tuple[bool, str]:
+    config = loop.config
+    gain = new["candidate"]["served_walk"] - new["serving"]["served_walk"]
+    if gain < config.gate_margin:
+        return False, (f"on the held-out new records the candidate's served walk {new['candidate']['served_walk']:.3f} "
+                       f"is {gain:+.3f} against the promoted version's {new['serving']['served_walk']:.3f}; "
+                       f"the gate asks for +{config.gate_margin:.3f}")
+    why = f"held-out new records: {new['serving']['served_walk']:.3f} -> {new['candidate']['served_walk']:.3f}"
+    if regression is not None:
+        drop = regression["serving"]["served_walk"] - regression["candidate"]["served_walk"]
+        if drop > config.regression_tolerance:
+            return False, (f"{why}, but on the regression set it falls {drop:.3f} "
+                           f"({regression['serving']['served_walk']:.3f} -> {regression['candidate']['served_walk']:.3f}),"
+                           f" more than the tolerance {config.regression_tolerance:.3f}")
+        why += (f"; regression set: {regression['serving']['served_walk']:.3f} -> "
+                f"{regression['candidate']['served_walk']:.3f}")
+    return True, why
+
+
+def maybe_run_round(loop: Loop) -> dict[str, Any] | None:
+    """Runs a round when one is due (module docstring); None when not."""
+    config = loop.config
+    entries = new_records(loop)
+    reason = due(loop, entries)
+    if reason is None:
+        return None
+    registry = loop.registry
+    state = registry.state()
+    serving = state["promoted"]
+    if serving is None:
+        raise RuntimeError(f"{registry.url} has no promoted version: run `eagle-tap loop init` first")
+    number = len(registry.round_names()) + 1
+    name = f"r{number:04d}"
+    round_dir = Path(config.work_dir) / name
+    num_heldout = max(config.min_heldout_records, round(len(entries) * config.heldout_fraction))
+    heldout, fresh = entries[-num_heldout:], entries[:-num_heldout]
+    new_ids, heldout_ids = [entry.record_id for entry in fresh], [entry.record_id for entry in heldout]
+    available = {entry.record_id for entry in shard_entries(config.shards)}
+    older = sorted(record_id for earlier in registry.round_names()
+                   for record_id in registry.read_round(earlier).get("new_record_ids", ()) if record_id in available)
+    rng = random.Random(config.seed * 1_000_003 + number)
+    replay_ids = rng.sample(older, min(len(older), round(config.replay_ratio * len(new_ids))))
+    info: dict[str, Any] = {"round": name, "started_at": time.time(), "why": reason, "serving": serving,
+                            "new_record_ids": new_ids, "heldout_record_ids": heldout_ids, "replay_record_ids": replay_ids}
+    loop.say(f"round {name}: {reason}; {len(new_ids)} new records to train on, {len(heldout_ids)} held out, "
+             f"{len(replay_ids)} replayed")
+    registry.event("round_started", round=name, why=reason, new=len(new_ids), heldout=len(heldout_ids),
+                   replay=len(replay_ids))
+    info["coverage"] = coverage(loop, entries)
+    if info["coverage"]["coverage"] < config.min_coverage:
+        info["decision"] = "coverage_low"
+        info["why_decided"] = (f"the draft vocabulary covers {info['coverage']['coverage']:.1%} of the new records' "
+                               f"loss tokens (at least {config.min_coverage:.0%} asked): a new mapping is needed, which "
+                               "means `eagle-tap vocab`, a full retrain and a restart of the replicas; no swap can "
+                               "change the mapping SGLang serves with")
+        registry.write_round(name, info)
+        registry.event("coverage_low", round=name, why=info["why_decided"], **info["coverage"])
+        loop.say(f"round {name}: {info['why_decided']}")
+        return {"round": name, "decision": "coverage_low", "why": info["why_decided"]}
+    serving_dir = registry.local_copy(serving)
+    info["training"] = train_candidate(loop, round_dir, serving_dir, new_ids + replay_ids)
+    candidate_dir = Path(info["training"]["export"])
+    evaluation: dict[str, Any] = {"heldout": {}, "regression": None}
+    for label, folder in (("candidate", candidate_dir), ("serving", serving_dir)):
+        evaluation["heldout"][label] = evaluate_draft(loop, folder, config.shards, heldout_ids)
+    if config.regression_shards:
+        evaluation["regression"] = {label: evaluate_draft(loop, folder, config.regression_shards,
+                                                          [entry.record_id for entry in
+                                                           shard_entries(config.regression_shards)])
+                                    for label, folder in (("candidate", candidate_dir), ("serving", serving_dir))}
+    passed, why = gate(loop, evaluation["heldout"], evaluation["regression"])
+    evaluation["gate"] = {"passed": passed, "why": why, "margin": config.gate_margin,
+                          "regression_tolerance": config.regression_tolerance}
+    made = {"round": name, "init_from": serving, "steps": info["training"]["steps"],
+            "new_records": len(new_ids), "replay_records": len(replay_ids), "heldout_records": len(heldout_ids),
+            "training_records_sha256": ids_digest(new_ids + replay_ids), "heldout_records_sha256": ids_digest(heldout_ids),
+            "first_loss": info["training"]["first_loss"], "last_loss": info["training"]["last_loss"]}
+    version = registry.add_version(candidate_dir, parent=serving, made=made, evaluation=evaluation)
+    registry.set_version_info(version.name, probe=loop.simulate_probe(candidate_dir))
+    info.update(version=version.name, evaluation=evaluation, decision="promote" if passed else "reject",
+                why_decided=why)
+    if not passed:
+        registry.set_version_state(version.name, "rejected", why)
+    registry.write_round(name, info)
+    registry.event("gate", round=name, version=version.name, passed=passed, why=why)
+    loop.say(f"round {name}: {version.name} {'passes' if passed else 'fails'} the gate: {why}")
+    return {"round": name, "version": version.name, "decision": info["decision"], "why": why,
+            "evaluation": evaluation}

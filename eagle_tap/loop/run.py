@@ -1,0 +1,323 @@
+"""`eagle-tap loop`: captured traffic in, a better served draft out, round after round, every decision written down.
+
+One tick of the loop (`Loop.tick`):
+1. replicas: each listed replica is brought to the version the registry says it must serve (the promoted
+   one, or the one it was left on after a failed verification there): a replica whose draft checksum is
+   not the one recorded for that version (restarted, swapped by hand, or caught mid-swap by a stopped
+   loop) gets the version swapped in and verified; a replica that does not answer is reported down and
+   caught up on the first tick it answers again;
+2. round (eagle_tap.loop.rounds): once enough new records are in the shard set (a count, or an age), the
+   newest are held out, a candidate is warm-started from the promoted version and trained on a replay mix,
+   candidate and promoted version are evaluated on the held-out records and on the regression set, and the
+   gate decides; a candidate that passes is promoted (below), one that fails is rejected;
+3. watch: the served acceptance of the records that arrived since the last tick (SGLang's own counts in
+   their `served_draft` metadata), one window per tick, next to the registry's events.
+
+Promotion: the first replica that answers is the canary: swap, verify (checksums, probe), and on failure
+swap it back and mark the candidate rolled back, touching no other replica. Past the canary, a replica that
+fails verification is swapped back alone and keeps the previous version (recorded, and reported by
+`loop status`), while the others serve the new one.
+
+What must hold, whenever the loop is killed and started again: the registry holds whole versions only
+(registry.py); a promotion in progress (state.json `pending`) is taken up again from the canary; a version
+left as a candidate is marked abandoned (its round's records are new again); and step 1 finds every replica
+whose weights are not what the registry records and swaps the recorded version back in, so no replica
+stays on a version the registry does not record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from eagle_tap.loop import replicas as rep
+from eagle_tap.loop.registry import Registry, RegistryError
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class LoopConfig:
+    """Every setting of one loop (a TOML/JSON file plus dotted overrides, as `eagle-tap train` reads its own)."""
+
+    registry: str
+    """Folder or s3:// prefix of the draft registry."""
+    shards: str
+    """The shard set the collectors write (a folder or an s3:// prefix): where new records come from."""
+    replicas: list[str] = dataclasses.field(default_factory=list)
+    """Base URLs of the SGLang replicas serving the draft (on this host: see the README's swap section)."""
+    target: str
+    """Hugging Face folder of the target the replicas serve."""
+    draft_config: str
+    """The draft config the first version was trained with (`eagle-tap draft-config`)."""
+    vocab: str
+    """The vocab mapping every version shares (`eagle-tap vocab`); a new mapping needs a restart."""
+    work_dir: str
+    """Local folder for each round's training run, export and evaluations."""
+    regression_shards: str | None = None
+    """A fixed shard set captured greedily: every candidate must not lose on it beyond regression_tolerance;
+    its first probe_records records are the probe set."""
+    num_steps: int = 3
+    """Draft tokens per verify step the replicas serve with (the simulated chain compared with them)."""
+    min_new_records: int = 64
+    """A round starts once this many records arrived since the last one ..."""
+    max_age_s: float | None = None
+    """... or once the oldest of them waited this long (None: count only), given at least min_heldout_records + 1."""
+    heldout_fraction: float = 0.25
+    """The newest share of the new records is held out to judge the candidate, never trained on."""
+    min_heldout_records: int = 4
+    replay_ratio: float = 1.0
+    """Older records (from earlier rounds) per new record in the training mix."""
+    train_steps: int = 200
+    batch_size: int = 8
+    max_length: int = 512
+    learning_rate: float = 1e-3
+    warmup_steps: int = 10
+    ttt_steps: int = 7
+    gate_margin: float = 0.05
+    """The candidate's served walk on the held-out new records must beat the promoted version's by this
+    (tokens per verify step) ..."""
+    regression_tolerance: float = 0.05
+    """... and may fall below it on the regression set by at most this."""
+    min_coverage: float = 0.9
+    """Share of the new records' loss tokens the draft vocabulary must cover; below it the loop reports that
+    a new mapping (a retrain and a restart) is needed, and trains no candidate."""
+    probe_records: int = 6
+    probe_max_new_tokens: int = 48
+    probe_tolerance: float = 0.2
+    """After a swap the probe's served acceptance must reach (1 - this) x the version's simulated served walk."""
+    poll_s: float = 10.0
+    """Seconds between ticks of `eagle-tap loop run`."""
+    seed: int = 0
+
+
+class Loop:
+    """One loop on one registry (holds its lock while open)."""
+
+    def __init__(self, config: LoopConfig, *, log_line=print) -> None:
+        self.config = config
+        self.registry = Registry(config.registry)
+        self.say = log_line
+        self.first_seen: dict[str, float] = {}
+        """record id -> when this loop first saw it (the age trigger)."""
+        self.watched: set[str] = set()
+
+    def __enter__(self) -> Loop:
+        self.registry.lock()
+        self.recover()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.registry.unlock()
+
+    # ------------------------------------------------------------------------------------------ start-up
+    def init(self, draft_dir: str | Path) -> str:
+        """Register the draft the replicas were started with as the first version, promoted."""
+        if self.registry.version_names():
+            raise RegistryError(f"{self.registry.url} already holds versions; `loop init` starts an empty one")
+        version = self.registry.add_version(draft_dir, parent=None, made={"how": "registered by `eagle-tap loop init`",
+                                                                          "source": str(draft_dir)})
+        self.registry.set_version_info(version.name, probe=self.simulate_probe(self.registry.local_copy(version.name)))
+        self.registry.set_version_state(version.name, "promoted", "the draft the replicas were started with")
+        return version.name
+
+    def recover(self) -> None:
+        """After a stop at any point: candidates without a decision are abandoned; a promotion is taken up again."""
+        state = self.registry.state()
+        for name in self.registry.version_names():
+            entry = state["versions"].get(name)
+            if entry is None or entry["state"] == "candidate":
+                self.registry.set_version_state(name, "abandoned", "the loop stopped before its gate decided")
+        pending = state.get("pending")
+        if pending:
+            self.say(f"taking up the promotion of {pending['to']} that a stopped loop left unfinished")
+            self.promote(pending["to"])
+
+    # ---------------------------------------------------------------------------------------------- tick
+    def tick(self) -> dict[str, Any]:
+        """One pass: replicas, round, watch (module docstring). Returns what it did."""
+        self.registry.renew()
+        report: dict[str, Any] = {"replicas": self.bring_up_to_date()}
+        from eagle_tap.loop import rounds, watch
+
+        report["round"] = rounds.maybe_run_round(self)
+        if report["round"] and report["round"].get("decision") == "promote":
+            report["promotion"] = self.promote(report["round"]["version"])
+        report["window"] = watch.record_window(self)
+        return report
+
+    def run(self, *, stop: threading.Event | None = None, max_ticks: int | None = None) -> None:
+        stop = stop or threading.Event()
+        ticks = 0
+        while not stop.is_set() and (max_ticks is None or ticks < max_ticks):
+            self.tick()
+            ticks += 1
+            stop.wait(self.config.poll_s)
+
+    # ---------------------------------------------------------------------------------------- replicas
+    def desired_version(self, state: dict[str, Any], url: str) -> str | None:
+        record = state["replicas"].get(url) or {}
+        if record.get("failed_version") and record["failed_version"] == state["promoted"] and record.get("version"):
+            return record["version"]  # verification failed there: it keeps what it had until a newer version
+        return state["promoted"]
+
+    def bring_up_to_date(self) -> dict[str, Any]:
+        """Step 1 of a tick for every replica: {url: what happened}."""
+        out = {}
+        for url in self.config.replicas:
+            state = self.registry.state()
+            record = state["replicas"].get(url) or {}
+            desired = self.desired_version(state, url)
+            if desired is None:
+                out[url] = "no promoted version"
+                continue
+            if not rep.is_up(url):
+                if not record.get("down"):
+                    self.registry.event("replica_down", replica=url, version=record.get("version"))
+                    self._set_replica(url, down=True)
+                out[url] = "down"
+                continue
+            try:
+                checksum = rep.draft_checksum(url)
+            except rep.ReplicaDown:
+                out[url] = "down"
+                continue
+            if record.get("down"):
+                self.registry.event("replica_back", replica=url)
+                self._set_replica(url, down=False)
+            if record.get("version") == desired and record.get("draft_checksum") == checksum:
+                out[url] = f"serves {desired}"
+                continue
+            why = ("first contact" if not record else "its draft checksum is not the one recorded for "
+                   f"{record.get('version')} (restarted, or swapped outside the loop)" if record.get("version") == desired
+                   else f"it serves {record.get('version')}, the registry promoted {desired}")
+            self.say(f"{url}: bringing it to {desired}: {why}")
+            outcome = self.swap_and_verify(url, desired, previous=record.get("version"), why=why)
+            out[url] = outcome["result"]
+        return out
+
+    def _set_replica(self, url: str, **fields: Any) -> None:
+        def change(state: dict[str, Any]) -> None:
+            state["replicas"][url] = {**state["replicas"].get(url, {}), **fields, "at": time.time()}
+
+        self.registry.update_state(change)
+
+    def swap_and_verify(self, url: str, version: str, *, previous: str | None, why: str) -> dict[str, Any]:
+        """Swap version into url, verify, and swap previous back on failure; records everything."""
+        state = self.registry.state()
+        info = self.registry.version(version).info
+        try:
+            version_dir = self.registry.local_copy(version)
+            reference = self.registry.local_copy(previous) if previous else version_dir
+            replica = rep.serving(url)
+            result, wall_s = rep.swap_in(url, version_dir, reference_dir=reference)
+        except rep.ReplicaDown as error:
+            self.registry.event("replica_down", replica=url, version=version, why=str(error))
+            self._set_replica(url, down=True)
+            return {"result": "down", "why": str(error)}
+        except (ValueError, RegistryError) as error:  # refused before the replica was touched
+            self.registry.event("swap_refused", replica=url, version=version, why=str(error))
+            return {"result": "refused", "why": str(error)}
+        known = (state.get("checksums", {}).get(version) or {}).get(replica.weights_key)
+        probe = info.get("probe") or {}
+        verification = rep.verify(url, result, known_checksum=known, probe_prompts=self.probe_prompts(),
+                                  probe_max_new_tokens=self.config.probe_max_new_tokens,
+                                  simulated=probe.get("served_walk"), tolerance=self.config.probe_tolerance)
+        swap_figures = {"paused_s": result.paused_s, "wall_s": wall_s, "num_tensors": result.num_tensors,
+                        "draft_checksum": result.draft_checksum_after, "probe": verification.probe}
+        if verification.ok:
+            def change(doc: dict[str, Any]) -> None:
+                doc["replicas"][url] = {"version": version, "draft_checksum": result.draft_checksum_after,
+                                        "weights_key": replica.weights_key, "at": time.time(), "down": False}
+                doc.setdefault("checksums", {}).setdefault(version, {})[replica.weights_key] = \
+                    result.draft_checksum_after
+
+            self.registry.update_state(change)
+            self.registry.event("swapped", replica=url, version=version, previous=previous, why=why,
+                                verification=verification.why, **swap_figures)
+            return {"result": f"serves {version}", **swap_figures}
+        self.registry.event("verification_failed", replica=url, version=version, why=verification.why, **swap_figures)
+        back = self.roll_back(url, previous, failed=version, why=verification.why)
+        return {"result": "rolled back", "why": verification.why, "rollback": back, **swap_figures}
+
+    def roll_back(self, url: str, previous: str | None, *, failed: str, why: str) -> dict[str, Any]:
+        """Put previous back into url (checked against its recorded checksum there)."""
+        if previous is None:
+            self._set_replica(url, version=None, failed_version=failed, why=why)
+            return {"result": "no previous version to return to"}
+        state = self.registry.state()
+        version_dir = self.registry.local_copy(previous)
+        result, wall_s = rep.swap_in(url, version_dir, reference_dir=version_dir)
+        replica = rep.serving(url)
+        expected = (state.get("checksums", {}).get(previous) or {}).get(replica.weights_key)
+        restored = expected is None or result.draft_checksum_after == expected
+        self._set_replica(url, version=previous, draft_checksum=result.draft_checksum_after,
+                          weights_key=replica.weights_key, failed_version=failed, why=why)
+        self.registry.event("rolled_back_replica", replica=url, version=previous, failed_version=failed,
+                            restored_checksum=restored, paused_s=result.paused_s, wall_s=wall_s)
+        return {"result": f"serves {previous}", "restored_checksum": restored, "paused_s": result.paused_s}
+
+    def promote(self, version: str) -> dict[str, Any]:
+        """Canary first, then the rest (module docstring)."""
+        state = self.registry.state()
+        previous = state["pending"]["from"] if state.get("pending") else state["promoted"]
+
+        def start(doc: dict[str, Any]) -> None:
+            doc["pending"] = {"to": version, "from": previous, "at": time.time()}
+
+        self.registry.update_state(start)
+        self.registry.set_version_state(version, "promoting", "passed the gate")
+        outcomes: dict[str, Any] = {}
+        canary_done = False
+        for url in self.config.replicas:
+            record = self.registry.state()["replicas"].get(url) or {}
+            if not rep.is_up(url):
+                outcomes[url] = {"result": "down"}
+                if not record.get("down"):
+                    self.registry.event("replica_down", replica=url, version=record.get("version"))
+                    self._set_replica(url, down=True)
+                continue
+            outcome = self.swap_and_verify(url, version, previous=record.get("version") or previous,
+                                           why="promotion" + ("" if canary_done else " (canary)"))
+            outcomes[url] = outcome
+            if not canary_done and outcome["result"] != f"serves {version}":
+                why = f"verification failed on the canary {url}: {outcome.get('why')}"
+                self._finish_promotion(version, "rolled_back", why)
+                return {"version": version, "state": "rolled_back", "why": why, "replicas": outcomes}
+            canary_done = canary_done or outcome["result"] == f"serves {version}"
+        if not canary_done:  # no replica answered: keep it pending, the next start or tick takes it up
+            return {"version": version, "state": "promoting", "why": "no replica answered", "replicas": outcomes}
+        self._finish_promotion(version, "promoted", "verified on the canary")
+        return {"version": version, "state": "promoted", "replicas": outcomes}
+
+    def _finish_promotion(self, version: str, new_state: str, why: str) -> None:
+        self.registry.set_version_state(version, new_state, why)
+        self.registry.update_state(lambda doc: doc.__setitem__("pending", None))
+
+    # ---------------------------------------------------------------------------------------------- probe
+    def probe_prompts(self):
+        if not self.config.regression_shards or self.config.probe_records <= 0:
+            return []
+        if getattr(self, "_probe_prompts", None) is None:
+            from eagle_tap.served.evaluate import prompts_from_shards
+
+            self._probe_prompts, _ = prompts_from_shards(Path(self.config.regression_shards),
+                                                         max_prompts=self.config.probe_records)
+        return self._probe_prompts
+
+    def simulate_probe(self, draft_dir: Path) -> dict[str, Any] | None:
+        """The draft's simulated served walk on the probe records (what a probe after a swap is held to)."""
+        prompts = self.probe_prompts()
+        if not prompts:
+            return None
+        from eagle_tap.loop.rounds import evaluate_draft
+
+        ids = [prompt.key for prompt in prompts]
+        result = evaluate_draft(self, draft_dir, self.config.regression_shards, ids,
+                                served_max_new_tokens=self.config.probe_max_new_tokens)
+        return {"served_walk": result["served_walk"], "num_steps": self.config.num_steps,
+                "max_new_tokens": self.config.probe_max_new_tokens, "record_ids": ids}

@@ -1,0 +1,70 @@
+"""Served acceptance over time: one window per tick of the loop, from the records that arrived since the last one.
+
+A record captured on a replica that serves an EAGLE-3 draft carries SGLang's own verify counts
+(`served_draft` metadata: verify steps, accepted drafts per step, the draft's identity; see
+capture_format/served_draft.py). Each tick pools the records stored since the previous tick into a window
+event: verify steps, accepted drafts, pooled acceptance length per draft identity, and which version the
+registry had promoted then. The probes after each swap (SGLang's per-response `meta_info`) are in the swap
+events. `eagle-tap loop status` prints both; `--plot` draws them with promotions and rollbacks marked.
+
+Windows are by arrival (the tick that first saw a record), not by capture time: records carry none.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from eagle_tap.loop.run import Loop
+
+
+def record_metadata(shards: str, entries: list[Any]) -> list[dict[str, Any]]:
+    """The metadata of each entry's record: from its frame header alone for a local folder (the states are
+    not read); a whole (checked) record from an object store."""
+    import capture_format as cf
+
+    if cf.is_remote(shards):
+        with cf.open_shard_directory(shards, skip_damaged=True) as directory:
+            return [directory.read_stored_record(entry).metadata for entry in entries]
+    from capture_format.frames import FRAME_PREFIX_NBYTES, check_header, parse_frame_prefix
+
+    out = []
+    for entry in entries:
+        fd = os.open(entry.shard_path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            head = os.pread(fd, FRAME_PREFIX_NBYTES, entry.offset)
+            prefix = parse_frame_prefix(head)
+            header = os.pread(fd, prefix.header_nbytes, entry.offset + FRAME_PREFIX_NBYTES)
+            out.append(check_header(prefix, head, header).metadata)
+        finally:
+            os.close(fd)
+    return out
+
+
+def record_window(loop: Loop) -> dict[str, Any] | None:
+    """Pools the records no window counted yet into one window event (None when none arrived)."""
+    from capture_format.served_draft import ServedDraft, pool_served_drafts
+    from eagle_tap.loop.rounds import shard_entries
+
+    if not loop.watched:  # a restarted loop: windows already written cover what they counted
+        for event in loop.registry.events():
+            if event["kind"] == "window":
+                loop.watched.update(event.get("record_ids", ()))
+    entries = [entry for entry in shard_entries(loop.config.shards) if entry.record_id not in loop.watched]
+    if not entries:
+        return None
+    served = [ServedDraft.from_metadata(metadata) for metadata in record_metadata(loop.config.shards, entries)]
+    tallies, without = pool_served_drafts(served)
+    verify_steps = sum(tally.verify_steps for tally in tallies)
+    accepted = sum(tally.accepted_drafts for tally in tallies)
+    state = loop.registry.state()
+    window = {"records": len(entries), "records_without_draft": without, "verify_steps": verify_steps,
+              "accepted_drafts": accepted,
+              "acceptance_length": (accepted + verify_steps) / verify_steps if verify_steps else None,
+              "drafts": [tally.to_json() for tally in tallies], "promoted": state["promoted"],
+              "record_ids": [entry.record_id for entry in entries], "until": time.time()}
+    loop.registry.event("window", **window)
+    loop.watched.update(window["record_ids"])
+    return {key: value for key, value in window.items() if key != "record_ids"}
