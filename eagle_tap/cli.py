@@ -33,6 +33,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "eagle_tap.demo.cli",
     "eagle_tap.bench.cli",
     "eagle_tap.served.cli",
+    "eagle_tap.loop.cli",
 )
 
 
