@@ -13,6 +13,13 @@ def _demo(args: argparse.Namespace) -> int:
     from eagle_tap.cli import interrupt_on_signals
     from eagle_tap.demo.run import Config, descendants, run_demo, still_running
 
+    if args.loop:
+        from eagle_tap.demo.loop import LoopDemoConfig, run_loop_demo
+
+        loop_config = LoopDemoConfig(out_dir=Path(args.out), replace=args.replace, num_rounds=args.rounds,
+                                     **({"conversations": Path(args.conversations)} if args.conversations else {}))
+        run_demo = lambda _: run_loop_demo(loop_config)  # noqa: E731 (the same error handling below)
+
     given = {"conversations": Path(args.conversations)} if args.conversations else {}
     config = Config(out_dir=Path(args.out), replace=args.replace, num_conversations=args.num_conversations,
                     heldout_every=args.heldout_every, max_new_tokens=args.max_new_tokens,
@@ -45,6 +52,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "with SGLang's EAGLE-3 speculative decoding on the held-out conversations (served vs simulated "
         "acceptance, trained vs untrained draft). Prints a summary and writes OUT/summary.json.",
     )
+    demo.add_argument("--loop", action="store_true",
+                      help="the closed loop instead: a draft trained on one domain, the traffic shifted to another, "
+                      "rounds of training on the captured traffic swapped into two running replicas")
+    demo.add_argument("--rounds", type=int, default=2, help="with --loop: rounds before it stops (default 2)")
     demo.add_argument("--out", default="demo-run", help="folder for everything the demo writes (default demo-run)")
     demo.add_argument("--replace", action="store_true", help="delete an earlier demo's folder at --out first")
     demo.add_argument("--conversations", help="JSONL of OpenAI `messages` rows to fire (default: the bundled set)")

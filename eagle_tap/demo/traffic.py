@@ -21,12 +21,13 @@ class ServingTraffic:
     """Untagged chat requests in `concurrency` threads, from `start()` until `stop()`."""
 
     def __init__(self, server_url: str, questions: list[str], *, concurrency: int = 2, max_tokens: int = 32,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, temperature: float = 0.0) -> None:
         if not questions:
             raise ValueError("serving traffic needs at least one question")
         self._url = f"{server_url}/v1/chat/completions"
         self._questions = questions
         self._max_tokens = max_tokens
+        self._temperature = temperature
         self._timeout_s = timeout_s
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -51,7 +52,7 @@ class ServingTraffic:
                 question = self._questions[index % len(self._questions)]
                 index += len(self._threads)
                 payload = {"model": "default", "messages": [{"role": "user", "content": question}],
-                           "max_tokens": self._max_tokens, "temperature": 0}
+                           "max_tokens": self._max_tokens, "temperature": self._temperature}
                 started_s = time.monotonic()
                 try:
                     response = client.post(self._url, json=payload)

@@ -26,8 +26,12 @@ def _config(args: argparse.Namespace):
 def _init(args: argparse.Namespace) -> int:
     from eagle_tap.loop.run import Loop
 
-    with Loop(_config(args)) as loop:
-        name = loop.init(args.draft)
+    from eagle_tap.loop.rounds import shard_entries
+
+    config = _config(args)
+    trained_on = [entry.record_id for entry in shard_entries(config.shards)] if args.trained_on_shards else []
+    with Loop(config) as loop:
+        name = loop.init(args.draft, trained_on=trained_on)
     print(f"registered {args.draft} as {name} (promoted) in {args.registry or loop.config.registry}")
     return 0
 
@@ -89,6 +93,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     init = commands.add_parser("init", help="start a registry with the draft the replicas serve now (v0001)")
     _common(init)
     init.add_argument("--draft", required=True, help="the exported draft folder the replicas were started with")
+    init.add_argument("--trained-on-shards", action="store_true",
+                      help="the records already in --shards are what this draft was trained on: not new to the first "
+                      "round, replayed by later ones")
     init.set_defaults(run=_init)
     run = commands.add_parser("run", help="run the loop (one per registry) until Ctrl-C")
     _common(run)

@@ -166,7 +166,7 @@ def maybe_run_round(loop: Loop) -> dict[str, Any] | None:
     serving = state["promoted"]
     if serving is None:
         raise RuntimeError(f"{registry.url} has no promoted version: run `eagle-tap loop init` first")
-    number = len(registry.round_names()) + 1
+    number = max((int(earlier[1:]) for earlier in registry.round_names()), default=0) + 1
     name = f"r{number:04d}"
     round_dir = Path(config.work_dir) / name
     num_heldout = max(config.min_heldout_records, round(len(entries) * config.heldout_fraction))

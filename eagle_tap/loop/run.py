@@ -115,12 +115,18 @@ class Loop:
         self.registry.unlock()
 
     # ------------------------------------------------------------------------------------------ start-up
-    def init(self, draft_dir: str | Path) -> str:
-        """Register the draft the replicas were started with as the first version, promoted."""
+    def init(self, draft_dir: str | Path, *, trained_on: list[str] = ()) -> str:
+        """Register the draft the replicas were started with as the first version, promoted. trained_on: ids of
+        the shard set's records it was trained on (round r0000: not new to the first round, replayed by later ones)."""
         if self.registry.version_names():
             raise RegistryError(f"{self.registry.url} already holds versions; `loop init` starts an empty one")
         version = self.registry.add_version(draft_dir, parent=None, made={"how": "registered by `eagle-tap loop init`",
-                                                                          "source": str(draft_dir)})
+                                                                          "source": str(draft_dir),
+                                                                          "trained_on_records": len(trained_on)})
+        if trained_on:
+            self.registry.write_round("r0000", {"round": "r0000", "version": version.name, "decision": "registered",
+                                                "new_record_ids": list(trained_on), "heldout_record_ids": [],
+                                                "replay_record_ids": []})
         self.registry.set_version_info(version.name, probe=self.simulate_probe(self.registry.local_copy(version.name)))
         self.registry.set_version_state(version.name, "promoted", "the draft the replicas were started with")
         return version.name
