@@ -55,12 +55,20 @@ def record_window(loop: Loop) -> dict[str, Any] | None:
     entries = [entry for entry in shard_entries(loop.config.shards) if entry.record_id not in loop.watched]
     if not entries:
         return None
-    served = [ServedDraft.from_metadata(metadata) for metadata in record_metadata(loop.config.shards, entries)]
+    from capture_format.errors import CaptureFormatError
+
+    served, invalid = [], 0
+    for metadata in record_metadata(loop.config.shards, entries):
+        try:
+            served.append(ServedDraft.from_metadata(metadata))
+        except CaptureFormatError:  # counted, never pooled
+            invalid += 1
     tallies, without = pool_served_drafts(served)
     verify_steps = sum(tally.verify_steps for tally in tallies)
     accepted = sum(tally.accepted_drafts for tally in tallies)
     state = loop.registry.state()
-    window = {"records": len(entries), "records_without_draft": without, "verify_steps": verify_steps,
+    window = {"records": len(entries), "records_without_draft": without, "records_invalid_served_draft": invalid,
+              "verify_steps": verify_steps,
               "accepted_drafts": accepted,
               "acceptance_length": (accepted + verify_steps) / verify_steps if verify_steps else None,
               "drafts": [tally.to_json() for tally in tallies], "promoted": state["promoted"],
