@@ -65,10 +65,17 @@ def _vocab(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from trainer.config_io import load_config
     from trainer.train import Config, train
 
     config = load_config(Config, args.config, args.overrides)
+    if args.init_from is not None:
+        if args.resume or args.resume_from:
+            raise ValueError("--init-from starts a new run from other weights; --resume/--resume-from continue this "
+                             "run from its checkpoint (whose weights already started from its init_from): give one")
+        config = dataclasses.replace(config, init_from=args.init_from, init_from_sha256=None)
     summary = train(config, resume=args.resume_from or args.resume)
     print(json.dumps(summary))
     return 0
@@ -146,6 +153,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--config", required=True, help="training config file (.toml or .json)")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir")
     train.add_argument("--resume-from", metavar="CHECKPOINT", help="continue from this checkpoint directory")
+    train.add_argument("--init-from", metavar="RUN_OR_DRAFT",
+                       help="warm start: a training run's out_dir or an exported draft folder whose weights start "
+                       "this run (fresh optimizer; it must fit the draft config, target and vocab mapping); sets "
+                       "init_from over the config file; not with --resume")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config settings")
     train.set_defaults(run=_train)
 

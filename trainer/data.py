@@ -41,6 +41,12 @@ batches g with g % W == w, so the loader yields them in order. The dataset's who
 number of batches consumed: resuming from it yields exactly the batches an uninterrupted run
 would have. A record whose checksums fail is reported and left out of its batch.
 
+Records. `record_ids` names a text file of record ids (one per line, `#` starts a comment): then
+only those records of the shard set exist for the dataset, in the file's order (so an unshuffled
+pass reads them in that order), and every other record is ignored. The selection is made on the
+index alone, local or remote, before any plan; an id the shards lack is an error naming it, as
+is an empty selection.
+
 Shards may sit in an object store (`shards = "s3://bucket/prefix"`, capture_format/remote_shards.py):
 then each record is fetched alone (a rank fetches only its own) into a bounded local cache, and the
 records of the next batch are fetched while the current one is used, so the store's latency hides
@@ -63,6 +69,8 @@ import numpy as np
 import torch
 
 import capture_format as cf
+from capture_format.errors import InvalidRecordError
+from capture_format.records import check_record_id
 from capture_format.remote_shards import RemoteShardDirectory
 
 log = logging.getLogger(__name__)
@@ -95,6 +103,9 @@ class Config:
     ~/.cache/eagle-tap/records). Ranks and workers of one machine may share it."""
     cache_max_bytes: int | None = None
     """Bytes the record cache may hold (None: EAGLE_TAP_CACHE_MAX_BYTES or 8 GiB); least recently used go first."""
+    record_ids: str | None = None
+    """Text file of record ids to read (one per line, `#` comments): every other record of shards is ignored;
+    an id the shards lack is an error. None: every record."""
 
     def open_shards(self, skip_damaged: bool = True) -> Shards:
         """The shards this config names, local or remote, with its record cache."""
@@ -220,12 +231,63 @@ def open_shards(shards: str | Path | Config) -> Shards:
     return directory
 
 
+MAX_NAMED_IDS = 5
+"""Missing record ids an error names (it counts them all)."""
+
+
+def read_record_ids(path: str | Path) -> list[str]:
+    """The record ids of a text file, in order: one per line, `#` starts a comment, blank lines are skipped.
+
+    ValueError when the file cannot be read, a line is not a record id, an id is listed twice, or none is."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"cannot read the record id file {path}: {error}") from None
+    record_ids: list[str] = []
+    line_of: dict[str, int] = {}
+    for number, line in enumerate(lines, start=1):
+        record_id = line.partition("#")[0].strip()
+        if not record_id:
+            continue
+        try:
+            check_record_id(record_id)
+        except InvalidRecordError as error:
+            raise ValueError(f"{path}:{number}: {error} (one id per line, # for comments)") from None
+        if record_id in line_of:
+            raise ValueError(f"{path}:{number}: record id {record_id!r} is listed again (first on line "
+                             f"{line_of[record_id]}); list each record once")
+        line_of[record_id] = number
+        record_ids.append(record_id)
+    if not record_ids:
+        raise ValueError(f"{path} lists no record id: the selection would be empty")
+    return record_ids
+
+
+def select_records(entries: Sequence[cf.IndexEntry], record_ids: Sequence[str], shards: str,
+                   source: str) -> list[cf.IndexEntry]:
+    """The entries of record_ids, in their order; ValueError naming up to MAX_NAMED_IDS ids shards lack and the count.
+
+    source names where the ids came from (a file) in the error."""
+    by_id: dict[str, cf.IndexEntry] = {}
+    for entry in entries:
+        by_id.setdefault(entry.record_id, entry)
+    missing = [record_id for record_id in record_ids if record_id not in by_id]
+    if missing:
+        raise ValueError(f"{len(missing)} of {len(record_ids)} record ids of {source} are not in {shards}: "
+                         f"{', '.join(missing[:MAX_NAMED_IDS])}{', ...' if len(missing) > MAX_NAMED_IDS else ''}")
+    return [by_id[record_id] for record_id in record_ids]
+
+
 def require_records(shards: str | Path | Config) -> list[cf.IndexEntry]:
-    """Every readable index entry of a shard folder or prefix; ValueError (ShardError) if it is missing or holds none."""
-    with open_shards(shards) as directory:
+    """Every readable index entry of a shard folder or prefix (of a Config: only those of its record_ids, in
+    the file's order); ValueError (ShardError) if it is missing, holds none, or lacks a selected record."""
+    config = shards if isinstance(shards, Config) else Config(shards=str(shards))
+    with open_shards(config) as directory:
         entries = list(directory.iter_index())
     if not entries:
-        raise ValueError(f"{shards.shards if isinstance(shards, Config) else shards} holds no sealed shard with records")
+        raise ValueError(f"{config.shards} holds no sealed shard with records")
+    if config.record_ids is not None:
+        entries = select_records(entries, read_record_ids(config.record_ids), config.shards, config.record_ids)
     return entries
 
 

@@ -8,7 +8,12 @@ What must hold:
   of an uninterrupted run: checkpoints hold weights, optimizer, scheduler, data position and RNG,
   and the data order depends only on (seed, epoch, batch number);
 - under torchrun each rank reads its own records and DDP keeps weights equal; every rank writes a
-  digest of its final weights (final/weights-digest.rank<r>.json) so this can be checked.
+  digest of its final weights (final/weights-digest.rank<r>.json) so this can be checked;
+- a warm start (`init_from`: a run folder or an exported draft) starts the trainable weights from the
+  source's, exactly (as stored: an export's bf16 values), with a fresh optimizer and schedule; a source
+  whose draft shape, capture layers, target or vocab mapping differs from the run's is refused before
+  anything is written. out_dir/config.json records the source's path and the sha256 of its weights file
+  (init_from_sha256). A resumed run continues from its checkpoint and keeps the source it recorded.
 
 out_dir: config.json, metrics.jsonl, loss.png, accuracy.png, checkpoints/, final/ (model.safetensors
 with SGLang's parameter names, the draft config.json, weight digests), record_ids.rank<r>.txt
@@ -18,6 +23,7 @@ with SGLang's parameter names, the draft config.json, weight digests), record_id
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -39,6 +45,7 @@ from trainer.data import Config as DataConfig
 from trainer.metrics import MetricsLog, write_plots
 from trainer.model import Config as ModelConfig
 from trainer.model import Eagle3Draft, trainable_state_dict
+from trainer.run_folder import DraftSource
 from trainer.ttt import Config as ObjectiveConfig
 
 log = logging.getLogger(__name__)
@@ -109,6 +116,13 @@ class Config:
     """Show a tqdm bar on the main rank."""
     log_record_ids: bool = False
     """Write the ids of the records each rank trained on to out_dir/record_ids.rank<r>.txt."""
+    init_from: str | None = None
+    """Warm start: a training run's out_dir (its final weights) or an exported draft folder whose trainable
+    weights start this run (optimizer and schedule start fresh); it must fit the draft config, capture layers,
+    target and vocab mapping. Not read on --resume (the checkpoint already holds weights that started from it)."""
+    init_from_sha256: str | None = None
+    """sha256 of init_from's model.safetensors: the run writes the one it read into out_dir/config.json; set
+    beforehand, a source whose file differs is refused."""
 
 
 def build_objective(
@@ -154,6 +168,37 @@ def initial_objective(run_config: dict[str, Any]) -> ttt.Eagle3Objective:
     runtime = distributed.Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     objective, _, _ = build_objective(config_from_dict(Config, run_config), runtime)
     return objective
+
+
+def check_init_from(config: Config) -> DraftSource:
+    """config.init_from's draft, after checking that it fits this run (ValueError naming the difference)."""
+    from capture_format.fingerprint import model_fingerprint
+    from trainer.draft_config import load_draft_config
+    from trainer.run_folder import check_draft_fits, read_draft_source
+    from trainer.vocab import load_vocab_mapping
+
+    assert config.init_from is not None
+    source = read_draft_source(config.init_from)
+    mapping = load_vocab_mapping(config.vocab)
+    check_draft_fits(source, draft_config=load_draft_config(config.draft_config), d2t=mapping.d2t, t2d=mapping.t2d,
+                     target_fingerprint=model_fingerprint(config.target),
+                     used_as=f"this run (draft config {config.draft_config}, vocab {config.vocab})")
+    return source
+
+
+def load_init_from(draft: Eagle3Draft, source: DraftSource) -> None:
+    """Copies the source's trainable weights and vocab buffers into draft (cast to its dtype); the embedding stays."""
+    tensors = source.tensors()
+    expected = trainable_state_dict(draft)
+    missing, unexpected = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected.keys())
+    if missing or unexpected:
+        raise ValueError(f"{source.weights_path} does not hold this draft's tensors: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    for name, tensor in tensors.items():
+        if tensor.shape != expected[name].shape:
+            raise ValueError(f"{source.weights_path}: tensor {name!r} has shape {tuple(tensor.shape)}; this draft's "
+                             f"is {tuple(expected[name].shape)}")
+    draft.load_state_dict({**tensors, "embed_tokens.weight": draft.embed_tokens.weight})
 
 
 def build_optimizer(
@@ -218,11 +263,14 @@ class Run:
 
 
 def start_run(config: Config, runtime: distributed.Runtime, resume: str | bool) -> Run:
-    """Builds the objective and optimizer, and restores a checkpoint when resuming."""
+    """Builds the objective and optimizer, restores a checkpoint when resuming, else starts from init_from if set."""
     out_dir = Path(config.out_dir)
     random.seed(config.seed)
     np.random.seed(config.seed)
     objective, draft_json, fingerprint = build_objective(config, runtime)
+    if config.init_from is not None and not resume:
+        with torch.no_grad():
+            load_init_from(objective.draft, check_init_from(config))
     optimizer, scheduler = build_optimizer(objective.draft, config)
     start_step = next_batch = 0
     if resume:
@@ -323,15 +371,43 @@ def report_data_codecs(shards: str) -> dict[str, dict[str, Any]]:
             for spec, tally in tallies.items()}
 
 
+def recorded_init_from(config: Config, resume: str | bool) -> Config:
+    """config with init_from and init_from_sha256 as this run records them; refuses a source that does not fit.
+
+    A new run checks its source and hashes its weights file (against init_from_sha256 when that is set); a
+    resumed one keeps what out_dir/config.json recorded when it started, since its checkpoint holds the weights."""
+    from trainer.run_folder import sha256_file
+
+    if resume:
+        written = Path(config.out_dir) / "config.json"
+        recorded = json.loads(written.read_text(encoding="utf-8")) if written.is_file() else {}
+        if config.init_from is not None and recorded.get("init_from") != config.init_from:
+            log.warning("init_from %s is not read on resume: the run continues from its checkpoint (it started "
+                        "from %s)", config.init_from, recorded.get("init_from") or "its own initialisation")
+        return dataclasses.replace(config, init_from=recorded.get("init_from"),
+                                   init_from_sha256=recorded.get("init_from_sha256"))
+    if config.init_from is None:
+        return config
+    source = check_init_from(config)
+    digest = sha256_file(source.weights_path)
+    if config.init_from_sha256 is not None and config.init_from_sha256 != digest:
+        raise ValueError(f"{source.weights_path} has sha256 {digest}; init_from_sha256 says "
+                         f"{config.init_from_sha256}: the source changed since it was pinned")
+    log.info("warm start from %s (%s draft, %s sha256 %s)", config.init_from, source.kind, source.weights_path, digest)
+    return dataclasses.replace(config, init_from_sha256=digest)
+
+
 def train(config: Config, resume: str | bool = False) -> dict[str, Any]:
     """Runs a training run, or continues one (resume=True: the newest checkpoint; a path: that checkpoint)."""
     from tqdm import tqdm
 
     from trainer.run_folder import keep_inputs
 
-    for shards in (config.data.shards, config.eval_shards):  # a wrong folder fails before anything is written
-        if shards is not None:
-            data.require_records(shards)
+    # A wrong folder, record selection or warm-start source fails before anything is written.
+    training_records = data.require_records(config.data)
+    if config.eval_shards is not None:
+        data.require_records(config.eval_shards)
+    config = recorded_init_from(config, resume)
     data_codecs = report_data_codecs(config.data.shards)
     runtime = distributed.setup(config.device)
     try:
@@ -343,7 +419,7 @@ def train(config: Config, resume: str | bool = False) -> dict[str, Any]:
         if runtime.is_main:
             (out_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
             keep_inputs(out_dir, draft_config=config.draft_config, vocab=config.vocab,
-                        training_shards=config.data.shards)
+                        training_records=training_records)
         dataset = data.ShardDataset(config.data, rank=runtime.rank, world_size=runtime.world_size,
                                     start_batch=run.next_batch, **run.expected)
         batches = iter(data.make_loader(dataset, pin_memory=runtime.device.type == "cuda"))
@@ -385,6 +461,8 @@ def train(config: Config, resume: str | bool = False) -> dict[str, Any]:
             save(run, final_step)
         summary: dict[str, Any] = {"step": final_step, "finished": final_step >= config.num_steps,
                                    "data_codecs": data_codecs}
+        if config.init_from is not None:
+            summary["init_from"] = {"path": config.init_from, "sha256": config.init_from_sha256}
         if summary["finished"]:
             if config.eval_shards:
                 summary["eval"] = evaluate(run, config.eval_shards)
