@@ -152,3 +152,38 @@ def test_eval_reports_what_the_serving_draft_achieved_on_exactly_the_records_eva
 def test_eval_of_records_without_a_serving_draft_has_no_served_rows() -> None:
     result = {"drafts": {"draft": {"step_accuracy": [0.5], "acceptance_length": [1.5]}}, "chain_lengths": [1]}
     assert "served (records)" not in evaluate.format_table(result)
+
+
+def test_an_exported_draft_evaluates_like_its_run(tmp_path: Path, capsys) -> None:
+    import shutil
+
+    from trainer.export import export
+
+    inputs = trainer_data.prepared_inputs()
+    run = tmp_path / "run"  # the run with a float32 draft config: its export holds the very weights eval reads
+    shutil.copytree(trained_run(), run)
+    draft_config = json.loads((run / "final" / "config.json").read_text())
+    (run / "final" / "config.json").write_text(json.dumps({**draft_config, "torch_dtype": "float32"}))
+    draft = export(run, tmp_path / "draft")
+    settings = dict(max_records=8, batch_size=4, max_length=256)
+    of_run = evaluate.evaluate(run, inputs["heldout_shards"], **settings)
+    of_export = evaluate.evaluate(draft, inputs["heldout_shards"], target=inputs["target"], vocab=run / "vocab",
+                                  **settings)
+    assert of_run.keys() == of_export.keys() and of_export["checkpoint_kind"] == "exported"
+    assert of_export["held_out"]["rule"].startswith("not checked")
+    for name in ("draft", "untrained", "unigram"):
+        for key in ("acceptance_length", "served_walk_acceptance_length", "step_accuracy"):
+            assert of_export["drafts"][name][key] == pytest.approx(of_run["drafts"][name][key], abs=1e-6), (name, key)
+
+    # An export needs its target and vocab mapping, and refuses another mapping, before building a model.
+    with pytest.raises(ValueError, match="exported draft, which records no target: pass target="):
+        evaluate.evaluate(draft, inputs["heldout_shards"], vocab=run / "vocab")
+    from test_trainer_init_from import other_vocab_mapping
+
+    with pytest.raises(ValueError, match="has another vocab mapping than what it is evaluated with"):
+        evaluate.evaluate(draft, inputs["heldout_shards"], target=inputs["target"],
+                          vocab=other_vocab_mapping(tmp_path / "other-vocab"))
+    assert main(["eval", "--run", str(draft), "--shards", str(inputs["heldout_shards"]), "--target",
+                 str(inputs["target"]), "--vocab", str(run / "vocab")]) == 2  # no --out: nothing written into it
+    assert "pass --out" in capsys.readouterr().err
+    assert sorted(path.name for path in draft.iterdir()) == ["README.md", "config.json", "model.safetensors"]

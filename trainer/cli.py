@@ -89,10 +89,14 @@ def _eval(args: argparse.Namespace) -> int:
 
     import sys
 
+    final, run_config = resolve_checkpoint(args.checkpoint)
+    if run_config is None and not args.out:  # the exported folder is what SGLang loads: nothing is written into it
+        raise ValueError(f"{args.checkpoint} is an exported draft: pass --out, the directory for eval.json")
+    out = Path(args.out) if args.out else final.parent / "eval"
     result = evaluate(args.checkpoint, args.shards, max_records=args.max_records, batch_size=args.batch_size,
                       max_length=args.max_length, served_max_new_tokens=args.served_max_new_tokens,
-                      progress_bar=sys.stderr.isatty())
-    out = Path(args.out) if args.out else resolve_checkpoint(args.checkpoint)[0].parent / "eval"
+                      progress_bar=sys.stderr.isatty(), record_ids=args.record_ids, target=args.target,
+                      vocab=args.vocab)
     path = write_result(result, out)
     print(format_table(result))
     print(f"wrote {path} and {out / 'acceptance.png'} ({result['num_records']} records, "
@@ -169,9 +173,18 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "acceptance.png.",
     )
     evaluation.add_argument("--run", "--checkpoint", dest="checkpoint", required=True,
-                            help="a training run's out_dir (or its final/ folder); --checkpoint is the old name")
+                            help="a training run's out_dir (or its final/ folder), or an exported draft folder "
+                            "(then --target, --vocab and --out); --checkpoint is the old name")
     evaluation.add_argument("--shards", required=True, help="held-out capture shard folder or s3://bucket/prefix")
-    evaluation.add_argument("--out", help="directory for eval.json and acceptance.png (default: <run>/eval)")
+    evaluation.add_argument("--record-ids", metavar="FILE",
+                            help="evaluate exactly these records of --shards, in this order (one id per line, "
+                            "# comments); each must be in the shards")
+    evaluation.add_argument("--target", help="the target's Hugging Face folder (an exported draft's; for a run: "
+                            "instead of the path it recorded)")
+    evaluation.add_argument("--vocab", help="the vocab mapping directory the draft was trained with (an exported "
+                            "draft's; for a run: instead of its own copy); another mapping is refused")
+    evaluation.add_argument("--out", help="directory for eval.json and acceptance.png (default: <run>/eval; "
+                            "required for an exported draft)")
     evaluation.add_argument("--max-records", type=int, help="evaluate at most about this many records")
     evaluation.add_argument("--batch-size", type=int, default=8, help="records per batch")
     evaluation.add_argument("--max-length", type=int, default=2048, help="positions per record (longer ones are cut)")

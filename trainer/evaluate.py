@@ -1,4 +1,4 @@
-"""`eagle-tap eval`: offline evaluation of a trained draft on held-out capture shards.
+"""`eagle-tap eval`: offline evaluation of a trained or exported draft on held-out capture shards.
 
 Two measures, each for the trained draft and two baselines on the same records (an untrained
 draft with the run's own initialisation, and a unigram draft that always proposes the most
@@ -25,6 +25,13 @@ frequent loss-masked training token):
   acceptance per draft position, pooled over exactly the records evaluated. It covers each whole
   generation, the served walk only the last assistant turn.
 
+The draft is a training run's (its out_dir or final/ folder: target, vocab mapping, seed and training
+records come from the run) or an exported one (`eagle-tap export`'s folder: the target and the vocab
+mapping it was trained with are given; the untrained baseline is seed 0's initialisation, train's
+default, and the held-out check is not possible). Either way a draft whose d2t/t2d differ from the
+vocab mapping, or made for another target, is refused before any model is built, and the result has
+the same keys. `record_ids` evaluates exactly the listed records of the shards, in the file's order.
+
 Shape legend: B rows, S positions, J draft steps, V target vocab, D draft vocab.
 """
 
@@ -42,7 +49,9 @@ from capture_format.errors import InvalidRecordError
 from capture_format.served_draft import ServedDraft, ServedDraftTally, pool_served_drafts, tally_header, tally_rows
 from capture_format.tables import text_table
 from trainer import data, ttt
+from trainer.model import Config as ModelConfig
 from trainer.model import Eagle3Draft, causal_mask
+from trainer.run_folder import DraftSource
 
 MAX_CHAIN = 7
 SERVED_LABEL = "served (records)"
@@ -158,28 +167,52 @@ def served_records(served: list[ServedDraft | None]) -> dict[str, Any] | None:
     return {"drafts": [tally.to_json() for tally in tallies], "num_records_without_draft": num_without_draft}
 
 
-def load_run(checkpoint: str | Path) -> tuple[Path, Path, dict[str, Any]]:
-    """(final/ folder, run folder, the run's config dict with its own copies of draft config and vocab)."""
-    from trainer.run_folder import resolve_checkpoint, run_inputs
+def load_run(checkpoint: str | Path, *, target: str | Path | None = None,
+             vocab: str | Path | None = None) -> tuple[DraftSource, dict[str, Any]]:
+    """(the trained draft's source, a run config dict naming its target, draft config, vocab and seed).
 
-    final, run_config_path = resolve_checkpoint(checkpoint)
-    if run_config_path is None:
-        raise ValueError(f"no training config.json next to {final}: eval needs the run's target, vocab and seed")
-    run_dict = json.loads(run_config_path.read_text(encoding="utf-8"))
-    return final, run_config_path.parent, run_inputs(run_config_path.parent, run_dict)
+    A run folder: its config with its own copies of draft config and vocab; target replaces the target path
+    it recorded (the run moved machines), vocab its mapping, which must then be the one it trained with. An
+    exported draft: target and vocab are required, the draft's config.json is the draft config, seed 0 (train's
+    default) makes the untrained baseline. Refuses a draft made for another target or vocab mapping."""
+    from capture_format.fingerprint import model_fingerprint
+    from trainer.run_folder import check_draft_fits, read_draft_source, run_inputs
+    from trainer.vocab import load_vocab_mapping
+
+    source = read_draft_source(checkpoint)
+    if source.run_config_path is None:
+        for value, name, what in ((target, "target", "the target's Hugging Face folder"),
+                                  (vocab, "vocab", "the vocab mapping directory it was trained with")):
+            if value is None:
+                raise ValueError(f"{checkpoint} is an exported draft, which records no {name}: pass {name}= "
+                                 f"(--{name}), {what}")
+        run_dict: dict[str, Any] = {"target": str(target), "draft_config": str(source.folder / "config.json"),
+                                    "vocab": str(vocab), "out_dir": str(source.folder), "data": {"shards": ""}}
+    else:
+        run_dict = run_inputs(source.run_config_path.parent,
+                              json.loads(source.run_config_path.read_text(encoding="utf-8")))
+        run_dict.update({key: str(value) for key, value in (("target", target), ("vocab", vocab)) if value is not None})
+    mapping = load_vocab_mapping(run_dict["vocab"], run_dict["target"])
+    check_draft_fits(source, d2t=mapping.d2t, t2d=mapping.t2d, target_fingerprint=model_fingerprint(run_dict["target"]),
+                     used_as=f"what it is evaluated with (target {run_dict['target']}, vocab {run_dict['vocab']})")
+    return source, run_dict
 
 
-def load_drafts(checkpoint: str | Path) -> tuple[ttt.Eagle3Objective, ttt.Eagle3Objective, dict[str, Any]]:
-    """(trained objective, untrained objective with the run's initialisation, the run's config dict)."""
-    from safetensors.torch import load_file
+def build_drafts(source: DraftSource, run_dict: dict[str, Any]) -> tuple[ttt.Eagle3Objective, ttt.Eagle3Objective]:
+    """(trained objective with the source's weights, untrained objective with the run's initialisation)."""
+    from trainer.train import initial_objective, load_init_from
 
-    from trainer.train import initial_objective
-
-    final, _, run_dict = load_run(checkpoint)
     untrained, trained = initial_objective(run_dict), initial_objective(run_dict)
-    weights = load_file(final / "model.safetensors")
-    trained.draft.load_state_dict({**weights, "embed_tokens.weight": trained.draft.embed_tokens.weight})
-    return trained.eval(), untrained.eval(), run_dict
+    with torch.no_grad():
+        load_init_from(trained.draft, source)
+    return trained.eval(), untrained.eval()
+
+
+def load_drafts(checkpoint: str | Path, *, target: str | Path | None = None, vocab: str | Path | None = None
+                ) -> tuple[ttt.Eagle3Objective, ttt.Eagle3Objective, dict[str, Any]]:
+    """(trained objective, untrained objective with the run's initialisation, the run config dict of load_run)."""
+    source, run_dict = load_run(checkpoint, target=target, vocab=vocab)
+    return (*build_drafts(source, run_dict), run_dict)
 
 
 def most_frequent_token(vocab_dir: str | Path, vocab_size: int) -> int:
@@ -191,26 +224,41 @@ def most_frequent_token(vocab_dir: str | Path, vocab_size: int) -> int:
 @torch.no_grad()
 def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | None = None,
              batch_size: int = 8, max_length: int = 2048, steps: int = MAX_CHAIN,
-             served_max_new_tokens: int | None = None, progress_bar: bool = False) -> dict[str, Any]:
+             served_max_new_tokens: int | None = None, progress_bar: bool = False,
+             record_ids: str | Path | None = None, target: str | Path | None = None,
+             vocab: str | Path | None = None) -> dict[str, Any]:
     """Accuracy per TTT step and acceptance length by k for the draft and the two baselines.
 
-    served_max_new_tokens: the served walk covers only this many tokens of each last turn (as many as
-    `eval-served` generates); None: the whole turn."""
+    checkpoint: a training run's out_dir (or its final/ folder) or an exported draft folder (then target and
+    vocab are required; load_run). served_max_new_tokens: the served walk covers only this many tokens of
+    each last turn (as many as `eval-served` generates); None: the whole turn. record_ids: a text file of the
+    record ids of shards to evaluate (data.read_record_ids), read in the file's order; every one must be in
+    shards. The held-out check covers the evaluated records of a run; an exported draft lists no training
+    records, so its records are not checked (the result says so)."""
     from tqdm import tqdm
 
     from trainer.run_folder import check_held_out
 
-    _, run_dir, run_dict = load_run(checkpoint)
-    held_out = check_held_out(shards, run_dir, run_dict)  # before any model is built
-    trained, untrained, run_dict = load_drafts(checkpoint)
+    source, run_dict = load_run(checkpoint, target=target, vocab=vocab)
+    selected = None if record_ids is None else data.read_record_ids(record_ids)
+    if source.run_config_path is None:
+        log.warning("%s is an exported draft: eval cannot check that %s holds no record it was trained on",
+                    checkpoint, shards)
+        held_out = {"training_records": None, "num_training_records": None,
+                    "rule": "not checked: an exported draft does not list the records it was trained on"}
+    else:  # before any model is built
+        held_out = check_held_out(shards, source.run_config_path.parent, run_dict,
+                                  selected=None if selected is None else set(selected))
+    draft_json = json.loads(Path(run_dict["draft_config"]).read_text(encoding="utf-8"))
+    expected = {"capture_layers": draft_json["eagle_tap"]["capture_layers"],
+                "hidden_size": ModelConfig.from_draft_config(draft_json).target_hidden_size}
+    dataset = data.ShardDataset(data.Config(shards=str(shards), batch_size=batch_size, max_length=max_length,
+                                            shuffle=False, record_ids=None if record_ids is None else str(record_ids)),
+                                num_epochs=1, equal_per_rank=False, **expected)  # a missing record fails here
+    trained, untrained = build_drafts(source, run_dict)
     trained.config.ttt_steps = untrained.config.ttt_steps = steps
     vocab_size = trained.draft.config.vocab_size
     unigram = most_frequent_token(run_dict["vocab"], vocab_size)
-    draft_json = json.loads(Path(run_dict["draft_config"]).read_text(encoding="utf-8"))
-    expected = {"capture_layers": draft_json["eagle_tap"]["capture_layers"],
-                "hidden_size": trained.draft.config.target_hidden_size}
-    dataset = data.ShardDataset(data.Config(shards=str(shards), batch_size=batch_size, max_length=max_length,
-                                            shuffle=False), num_epochs=1, equal_per_rank=False, **expected)
     counts = {"draft": Counts(steps), "untrained": Counts(steps), "unigram": Counts(steps)}
     num_records = 0
     served: list[ServedDraft | None] = []
@@ -248,7 +296,9 @@ def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | N
     if num_records == 0:
         raise ValueError(f"{shards} holds no record to evaluate")
     drafts = {name: count.result() for name, count in counts.items()}
-    result = {"checkpoint": str(checkpoint), "shards": str(shards), "held_out": held_out, "num_records": num_records,
+    result = {"checkpoint": str(checkpoint), "checkpoint_kind": source.kind, "shards": str(shards),
+              "record_ids": None if record_ids is None else str(record_ids), "held_out": held_out,
+              "num_records": num_records,
               "num_start_positions": int(torch.cat(counts["draft"].matches).shape[0]), "chain_lengths":
               list(range(1, steps + 1)), "unigram_token_id": unigram, "served_max_new_tokens": served_max_new_tokens,
               "drafts": drafts}
