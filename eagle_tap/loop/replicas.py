@@ -44,7 +44,10 @@ def get_json(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
         raise ReplicaDown(f"{url}: {error}") from None
 
 
-def is_up(url: str, timeout_s: float = 5.0) -> bool:
+def is_up(url: str, timeout_s: float = 30.0) -> bool:
+    """SGLang's /health runs a one-token request and waits (up to its 20 s) for the scheduler's next output: a
+    busy replica on a loaded host takes seconds to answer it, and a short timeout would report it down (a
+    promotion then skips it). A replica that is really down refuses the connection at once."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as response:
             return response.status == 200

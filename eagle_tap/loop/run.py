@@ -290,6 +290,10 @@ class Loop:
             outcome = self.swap_and_verify(url, version, previous=record.get("version") or previous,
                                            why="promotion" + ("" if canary_done else " (canary)"))
             outcomes[url] = outcome
+            if not canary_done and outcome["result"] == "refused":  # no replica was touched: STATES' "rejected"
+                why = f"refused before the canary {url} was touched: {outcome.get('why')}"
+                self._finish_promotion(version, "rejected", why)
+                return {"version": version, "state": "rejected", "why": why, "replicas": outcomes}
             if not canary_done and outcome["result"] != f"serves {version}":
                 why = f"verification failed on the canary {url}: {outcome.get('why')}"
                 self._finish_promotion(version, "rolled_back", why)

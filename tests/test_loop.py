@@ -1,0 +1,475 @@
+"""The closed loop (eagle_tap/loop): the registry and `loop status` offline, then swaps into real SGLang replicas.
+
+Offline: a version is stored whole, a partial one is removed by the next lock, a damaged file is refused, one
+loop per registry, promotion supersedes, events are numbered; `loop status` prints and plots, and refuses a
+missing folder.
+
+With real servers (CPU, fp32, a chain of 3, no plugin): two replicas started with the untrained export of
+tests/test_trainer_export.py's run, and a draftless reference. The tests share them and run in order:
+promotion of the trained export under load (no failed request, every greedy answer the draftless one, pauses
+under a second, served acceptance up); wrong weights refused or rolled back on the canary; a replica down
+during a promotion caught up by the next tick; a `loop run` killed with SIGKILL mid-promotion and started
+again. Registry versions are added with `registry.add_version` (no round: a round would train on CPU, too
+slow for this module; tests/test_trainer_init_from.py covers the trainer side).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import trainer_data
+from eagle_tap.cli import main
+from eagle_tap.loop.registry import Registry, RegistryError, RegistryLocked
+from eagle_tap.loop.run import Loop, LoopConfig
+
+REPO = Path(__file__).resolve().parent.parent
+FP32 = ("--dtype", "float32", "--chunked-prefill-size", "24")
+UNPLUGGED = {"SGLANG_PLUGINS": "none-loaded"}
+MAX_NEW_TOKENS = 24
+
+
+# ------------------------------------------------------------------------------------------------ offline
+def fake_draft(folder: Path, content: bytes = b"weights") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    (folder / "model.safetensors").write_bytes(content * 100)
+    (folder / "README.md").write_text("a card")
+    return folder
+
+
+def test_a_version_is_stored_whole_and_a_partial_one_is_removed_by_the_next_lock(tmp_path):
+    root = tmp_path / "registry"
+    with Registry(root) as registry:
+        version = registry.add_version(fake_draft(tmp_path / "a"), parent=None, made={"how": "test"})
+        assert version.name == "v0001" and registry.version_names() == ["v0001"]
+        assert sorted(p.name for p in (root / "v0001").iterdir()) == ["README.md", "config.json", "model.safetensors",
+                                                                       "version.json"]
+        assert set(version.info["files"]) == {"README.md", "config.json", "model.safetensors"}
+        assert registry.local_copy("v0001") == root / "v0001"
+    # A writer killed after the files and before version.json:
+    fake_draft(root / "v0002")
+    reader = Registry(root, create=False)
+    assert reader.version_names() == ["v0001"]  # never listed
+    with Registry(root) as registry:
+        assert not (root / "v0002").exists()
+        assert [e["kind"] for e in registry.events()][-1] == "removed_partial_version"
+        assert registry.add_version(fake_draft(tmp_path / "b"), parent="v0001", made={}).name == "v0002"
+
+
+def test_a_file_damaged_after_registration_is_refused(tmp_path):
+    with Registry(tmp_path / "registry") as registry:
+        registry.add_version(fake_draft(tmp_path / "a"), parent=None, made={})
+        path = tmp_path / "registry" / "v0001" / "model.safetensors"
+        data = bytearray(path.read_bytes())
+        data[10] ^= 0xFF
+        path.write_bytes(bytes(data))
+        with pytest.raises(RegistryError, match=r"v0001/model\.safetensors .*damaged"):
+            registry.local_copy("v0001")
+        (tmp_path / "registry" / "v0001" / "config.json").unlink()
+        with pytest.raises(RegistryError, match=r"v0001/config\.json is missing"):
+            registry.local_copy("v0001")
+
+
+def test_one_loop_per_registry(tmp_path):
+    first, second = Registry(tmp_path / "registry"), Registry(tmp_path / "registry")
+    first.lock()
+    with pytest.raises(RegistryLocked, match=f"pid.{{0,4}}{os.getpid()}"):
+        second.lock()
+    with pytest.raises(RegistryError, match="reading only"):
+        second.event("nothing")
+    first.unlock()
+    second.lock()
+    second.unlock()
+
+
+def test_promotion_supersedes_and_events_are_numbered_in_order(tmp_path):
+    with Registry(tmp_path / "registry") as registry:
+        for name in "abc":
+            registry.add_version(fake_draft(tmp_path / name, name.encode()), parent=None, made={})
+        registry.set_version_state("v0001", "promoted", "first")
+        registry.set_version_state("v0002", "promoted", "second")
+        state = registry.state()
+        assert state["promoted"] == "v0002"
+        assert state["versions"]["v0001"]["state"] == "superseded"
+        assert state["versions"]["v0003"]["state"] == "candidate"
+        with pytest.raises(RegistryError, match="unknown version state"):
+            registry.set_version_state("v0003", "great", "no")
+        events = list(registry.events())
+        assert [e["event"] for e in events] == list(range(1, len(events) + 1))
+        assert [e["kind"] for e in events] == ["registered"] * 3 + ["promoted", "promoted"]
+        assert [e["version"] for e in events[-2:]] == ["v0001", "v0002"]
+
+
+def test_loop_status_prints_plots_and_refuses_a_missing_folder(tmp_path, capsys):
+    root = tmp_path / "registry"
+    with Registry(root) as registry:
+        registry.add_version(fake_draft(tmp_path / "a"), parent=None, made={"how": "test"})
+        registry.set_version_state("v0001", "promoted", "first")
+        registry.update_state(lambda s: s["replicas"].__setitem__(
+            "http://127.0.0.1:1", {"version": "v0001", "draft_checksum": "ab" * 16, "down": False, "at": time.time()}))
+        registry.event("swapped", replica="http://127.0.0.1:1", version="v0001", paused_s=0.01,
+                       probe={"acceptance_length": 1.5, "simulated_acceptance_length": 1.6})
+        registry.event("window", records=3, verify_steps=10, accepted_drafts=5, acceptance_length=1.5, drafts=[],
+                       promoted="v0001", until=time.time(), record_ids=["a", "b", "c"])
+    plot = tmp_path / "out" / "status.png"
+    assert main(["loop", "status", "--registry", str(root), "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "promoted v0001" in out and "versions" in out and "replicas" in out and "http://127.0.0.1:1" in out
+    assert "#3 swapped" in out and "registered" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["loop", "status", "--registry", str(root), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["promoted"] == "v0001"
+    missing = tmp_path / "nowhere"
+    assert main(["loop", "status", "--registry", str(missing)]) == 2
+    captured = capsys.readouterr()
+    assert "not a registry folder" in captured.err and "Traceback" not in captured.err
+    assert not missing.exists()
+
+
+# --------------------------------------------------------------------------------------------- real servers
+class Rig:
+    """Two replicas started with the untrained draft, a draftless reference, the exports and a loop config."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        from eagle_tap.sglang_server import ServerConfig, SGLangServer
+        from eagle_tap.served.draft import SpeculativeConfig
+        from test_trainer_export import trained_run
+
+        self.tmp = tmp_path_factory
+        root = tmp_path_factory.mktemp("loop")
+        self.trained, self.untrained = root / "trained", root / "untrained"
+        assert main(["export", "--checkpoint", str(trained_run()), "--out", str(self.trained)]) == 0
+        assert main(["export", "--checkpoint", str(trained_run()), "--out", str(self.untrained), "--untrained"]) == 0
+        from eagle_tap.tiny_model import TINY_MODEL_DIR
+
+        self.model = TINY_MODEL_DIR
+        chain = SpeculativeConfig(draft_dir=self.untrained, num_steps=3).server_args()
+        self.replica_config = lambda name, port=None: ServerConfig(
+            model_path=self.model, extra_args=(*FP32, *chain), env=dict(UNPLUGGED), port=port,
+            log_path=tmp_path_factory.mktemp(name) / "server.log")
+        self.a = SGLangServer(self.replica_config("a"))
+        self.b = SGLangServer(self.replica_config("b"))
+        self.plain = SGLangServer(ServerConfig(model_path=self.model, extra_args=FP32, env=dict(UNPLUGGED),
+                                               log_path=tmp_path_factory.mktemp("plain") / "server.log"))
+        self.servers = [self.a, self.b, self.plain]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda server: server.start(), self.servers))
+        inputs = trainer_data.prepared_inputs()
+        self.shards = trainer_data.shard_dir(64, 6)
+        self.config = LoopConfig(
+            registry=str(root / "registry"), shards=str(self.shards), replicas=[self.a.url, self.b.url],
+            target=str(self.model), draft_config=str(inputs["draft_config"]), vocab=str(inputs["vocab"]),
+            work_dir=str(root / "work"), min_new_records=1_000_000, probe_records=3,
+            probe_max_new_tokens=MAX_NEW_TOKENS, poll_s=0.2)
+        self.prompts = prompts()
+        self.reference = [generate(self.plain.url, ids)["output_ids"] for ids in self.prompts]
+        self.notes: dict = {}
+
+    def loop(self, **changes) -> Loop:
+        import dataclasses
+
+        return Loop(dataclasses.replace(self.config, **changes), log_line=lambda line: print(line, flush=True))
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+def prompts() -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from eagle_tap.tiny_model import TINY_MODEL_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    rendered = []
+    for messages in trainer_data.conversations(64, 6):
+        ids = tokenizer.apply_chat_template(messages[:2], add_generation_prompt=True, tokenize=True)
+        rendered.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    return rendered
+
+
+def generate(url: str, ids: list[int]) -> dict:
+    from eagle_tap.sglang_server import post_json
+
+    return post_json(f"{url}/generate", {"input_ids": ids, "sampling_params": {
+        "max_new_tokens": MAX_NEW_TOKENS, "temperature": 0}})
+
+
+def checksum(url: str, selector: str = "draft") -> str:
+    from eagle_tap.served.swap import weights_checksum
+
+    return weights_checksum(url, selector)
+
+
+def served_acceptance(url: str, ids_list: list[list[int]]) -> float:
+    from eagle_tap.loop.replicas import probe_acceptance
+    from eagle_tap.served.evaluate import Prompt
+
+    return probe_acceptance(url, [Prompt(f"p{i}", ids) for i, ids in enumerate(ids_list)],
+                            MAX_NEW_TOKENS)["acceptance_length"]
+
+
+def events_since(registry: Registry, number: int) -> list[dict]:
+    return list(registry.events(since=number))
+
+
+def last_event_number(registry: Registry) -> int:
+    return max((event["event"] for event in registry.events()), default=0)
+
+
+def edited_copy(source: Path, out: Path, change) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, out)
+    tensors = load_file(out / "model.safetensors")
+    change(tensors)
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    made = Rig(tmp_path_factory)
+    try:
+        with made.loop() as loop:
+            assert loop.init(made.untrained) == "v0001"
+            assert loop.bring_up_to_date() == {made.a.url: "serves v0001", made.b.url: "serves v0001"}
+        yield made
+    finally:
+        made.stop()
+
+
+@pytest.mark.sglang
+def test_promotion_under_load_drops_nothing_and_changes_no_answer(rig):
+    a, b = rig.a.url, rig.b.url
+    targets = {url: checksum(url, "target") for url in (a, b)}
+    before = {url: checksum(url) for url in (a, b)}
+    assert before[a] == before[b]
+    acceptance_before = served_acceptance(a, rig.prompts)
+    answers: list[tuple[str, int, list[int], float, float]] = []
+    failures: list[str] = []
+    promoted_at: list[float] = []
+
+    def client(url: str) -> None:
+        index = 0
+        while True:  # until one request started after the promotion ended
+            which = index % len(rig.prompts)
+            started = time.monotonic()
+            try:
+                answers.append((url, which, generate(url, rig.prompts[which])["output_ids"], started, time.monotonic()))
+            except Exception as error:  # noqa: BLE001 (every failure is counted)
+                failures.append(f"{url}: {error!r}")
+            index += 1
+            if promoted_at and started > promoted_at[0]:
+                return
+
+    threads = [threading.Thread(target=client, args=(url,)) for url in (a, b)]
+    with rig.loop() as loop:
+        name = loop.registry.add_version(rig.trained, parent="v0001", made={"how": "the trained export"}).name
+        loop.registry.set_version_info(name, probe=loop.simulate_probe(loop.registry.local_copy(name)))
+        for thread in threads:
+            thread.start()
+        time.sleep(1.0)
+        first = last_event_number(loop.registry)
+        promote_started = time.monotonic()
+        result = loop.promote(name)
+        promoted_at.append(time.monotonic())
+        for thread in threads:
+            thread.join(timeout=120)
+        state = loop.registry.state()
+        swaps = [e for e in events_since(loop.registry, first) if e["kind"] == "swapped"]
+    assert result["state"] == "promoted", result
+    assert failures == []
+    for url in (a, b):  # each replica answered while the promotion ran, and after it
+        assert [1 for u, *_, start, end in answers if u == url and start < promoted_at[0] and end > promote_started]
+        assert [1 for u, *_, start, end in answers if u == url and start > promoted_at[0]]
+    for url, which, output, *_ in answers:
+        assert output == rig.reference[which], (url, which)
+    print(f"{len(answers)} requests during the promotion, none failed, every answer the draftless server's")
+    assert state["promoted"] == name and state["pending"] is None
+    assert state["versions"]["v0001"]["state"] == "superseded"
+    assert [state["replicas"][url]["version"] for url in (a, b)] == [name, name]
+    assert state["replicas"][a]["draft_checksum"] == state["replicas"][b]["draft_checksum"] == checksum(a) == checksum(b)
+    assert checksum(a) != before[a]
+    assert {url: checksum(url, "target") for url in (a, b)} == targets
+    print("paused_s per swap:", [(e["replica"], round(e["paused_s"], 4)) for e in swaps])
+    assert sorted(e["replica"] for e in swaps) == sorted([a, b])
+    assert all(e["paused_s"] < 1.0 for e in swaps)
+    acceptance_after = served_acceptance(a, rig.prompts)
+    print(f"served acceptance (SGLang meta_info): {acceptance_before:.3f} -> {acceptance_after:.3f}")
+    assert acceptance_after > acceptance_before
+    assert served_acceptance(b, rig.prompts) == pytest.approx(acceptance_after)
+    rig.notes["trained_version"] = name
+
+
+@pytest.mark.sglang
+def test_wrong_weights_are_refused_before_the_replica_is_touched(rig, tmp_path):
+    a, b = rig.a.url, rig.b.url
+    before = {url: checksum(url) for url in (a, b)}
+
+    def wider_norm(tensors):
+        norm = next(name for name in sorted(tensors) if "norm" in name)
+        tensors[norm] = tensors[norm].repeat(2)
+
+    def damaged_in_registry(registry, name):
+        path = Path(registry.url) / name / "model.safetensors"
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    cases = {
+        "shapes": (edited_copy(rig.trained, tmp_path / "shapes", wider_norm), None, "differ in tensors"),
+        "damaged": (rig.trained, damaged_in_registry, "damaged"),
+        "d2t": (edited_copy(rig.trained, tmp_path / "d2t", lambda t: t.__setitem__("d2t", t["d2t"].flip(0))), None,
+                "vocab mapping"),
+    }
+    with rig.loop() as loop:
+        promoted = loop.registry.state()["promoted"]
+        for label, (folder, spoil, why) in cases.items():
+            name = loop.registry.add_version(folder, parent=promoted, made={"how": label}).name
+            if spoil:
+                spoil(loop.registry, name)
+            first = last_event_number(loop.registry)
+            result = loop.promote(name)
+            events = events_since(loop.registry, first)
+            refused = [e for e in events if e["kind"] == "swap_refused"]
+            assert len(refused) == 1 and refused[0]["replica"] == a and why in refused[0]["why"], (label, events)
+            assert not [e for e in events if e.get("replica") == b], (label, events)
+            assert not [e for e in events if e["kind"] in ("swapped", "verification_failed")], (label, events)
+            state = loop.registry.state()
+            assert result["state"] == "rejected", (label, result)
+            assert state["versions"][name]["state"] == "rejected" and state["promoted"] == promoted
+            assert state["pending"] is None
+            assert {url: checksum(url) for url in (a, b)} == before, label
+
+
+@pytest.mark.sglang
+def test_weights_that_pass_every_check_but_serve_badly_are_rolled_back_on_the_canary(rig):
+    a, b = rig.a.url, rig.b.url
+    before = {url: checksum(url) for url in (a, b)}
+    with rig.loop(regression_shards=str(rig.shards), probe_tolerance=0.1) as loop:
+        promoted = loop.registry.state()["promoted"]
+        probe = [prompt.input_ids for prompt in loop.probe_prompts()]
+        trained_walk = served_acceptance(a, probe)  # what the trained draft serves on the probe prompts
+        name = loop.registry.add_version(rig.untrained, parent=promoted, made={"how": "untrained, claims trained"}).name
+        loop.registry.set_version_info(name, probe={"served_walk": trained_walk, "num_steps": 3,
+                                                    "max_new_tokens": MAX_NEW_TOKENS})
+        first = last_event_number(loop.registry)
+        result = loop.promote(name)
+        events = events_since(loop.registry, first)
+        state = loop.registry.state()
+    print(f"probe: trained draft serves {trained_walk:.3f}; result {json.dumps(result, default=str)[:600]}")
+    assert result["state"] == "rolled_back", result
+    failed = [e for e in events if e["kind"] == "verification_failed"]
+    assert len(failed) == 1 and failed[0]["replica"] == a and "below" in failed[0]["why"]
+    back = [e for e in events if e["kind"] == "rolled_back_replica"]
+    assert len(back) == 1 and back[0]["version"] == promoted and back[0]["restored_checksum"] is True
+    assert not [e for e in events if e.get("replica") == b]
+    assert state["versions"][name]["state"] == "rolled_back" and state["promoted"] == promoted
+    assert state["pending"] is None
+    assert state["replicas"][a]["version"] == promoted and state["replicas"][a]["failed_version"] == name
+    assert {url: checksum(url) for url in (a, b)} == before
+    assert state["replicas"][a]["draft_checksum"] == before[a]
+
+
+@pytest.mark.sglang
+def test_a_replica_down_during_a_promotion_is_caught_up_once_it_answers(rig, tmp_path):
+    from eagle_tap.sglang_server import SGLangServer
+
+    a, b = rig.a.url, rig.b.url
+    perturbed = edited_copy(rig.trained, tmp_path / "perturbed",
+                            lambda t: t.__setitem__("fc.weight", t["fc.weight"] * 0.99))
+    rig.b.stop()
+    with rig.loop() as loop:
+        name = loop.registry.add_version(perturbed, parent=loop.registry.state()["promoted"], made={}).name
+        first = last_event_number(loop.registry)
+        result = loop.promote(name)
+        assert result["state"] == "promoted" and result["replicas"][b] == {"result": "down"}, result
+        state = loop.registry.state()
+        assert state["replicas"][b]["down"] is True and state["replicas"][b]["version"] != name
+        down = [e for e in events_since(loop.registry, first) if e["kind"] == "replica_down"]
+        assert [e["replica"] for e in down] == [b]
+        assert loop.tick()["replicas"] == {a: f"serves {name}", b: "down"}  # reported once, not again
+        assert len([e for e in events_since(loop.registry, first) if e["kind"] == "replica_down"]) == 1
+        restarted = SGLangServer(rig.replica_config("b-again", port=rig.b.port))
+        assert restarted.url == b
+        rig.servers[1] = rig.b = restarted
+        restarted.start()
+        assert checksum(b) != checksum(a)  # started from the untrained folder again
+        report = loop.tick()
+        assert report["replicas"] == {a: f"serves {name}", b: f"serves {name}"}, report
+        state = loop.registry.state()
+        kinds = [e["kind"] for e in events_since(loop.registry, first) if e.get("replica") == b]
+        assert kinds[-2:] == ["replica_back", "swapped"], kinds
+    assert state["replicas"][b]["down"] is False and state["replicas"][b]["version"] == name
+    assert checksum(b) == checksum(a) == state["replicas"][b]["draft_checksum"] == state["replicas"][a]["draft_checksum"]
+    assert [generate(b, ids)["output_ids"] for ids in rig.prompts[:2]] == rig.reference[:2]
+
+
+def loop_run_command(rig, max_ticks: int) -> list[str]:
+    config = rig.config
+    return [sys.executable, "-m", "eagle_tap.cli", "loop", "run", "--registry", config.registry,
+            "--shards", config.shards, "--replica", config.replicas[0], "--replica", config.replicas[1],
+            "--target", config.target, "--draft-config", config.draft_config, "--vocab", config.vocab,
+            "--work-dir", config.work_dir, "--set", "min_new_records=1000000", "--set", "poll_s=0.2",
+            "--max-ticks", str(max_ticks)]
+
+
+@pytest.mark.sglang
+def test_a_loop_killed_mid_promotion_leaves_a_registry_the_next_one_completes(rig, tmp_path):
+    a, b = rig.a.url, rig.b.url
+    registry_root = Path(rig.config.registry)
+    with rig.loop() as loop:
+        promoted = loop.registry.state()["promoted"]
+        name = loop.registry.add_version(rig.trained, parent=promoted, made={"how": "killed mid-promotion"}).name
+        # what a loop leaves when it dies right after its gate passed: the promotion started, no replica swapped
+        loop.registry.update_state(lambda doc: doc.__setitem__("pending", {"to": name, "from": promoted,
+                                                                           "at": time.time()}))
+        loop.registry.set_version_state(name, "promoting", "passed the gate")
+        first = last_event_number(loop.registry)
+    log = open(tmp_path / "run1.log", "wb")  # noqa: SIM115
+    process = subprocess.Popen(loop_run_command(rig, 5), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    reader = Registry(registry_root, create=False)
+    deadline = time.monotonic() + 180
+    killed_after = None
+    while time.monotonic() < deadline and process.poll() is None:
+        swapped = [e for e in reader.events(since=first) if e["kind"] == "swapped" and e["version"] == name]
+        if swapped:
+            process.send_signal(signal.SIGKILL)
+            killed_after = swapped[0]["replica"]
+            break
+        time.sleep(0.02)
+    process.wait(timeout=30)
+    log.close()
+    print((tmp_path / "run1.log").read_text()[-3000:])
+    assert killed_after == a, "the loop should have been killed after its canary swap"
+    assert process.returncode == -signal.SIGKILL
+    assert reader.state()["pending"] is not None  # it died mid-promotion
+    (registry_root / "v0099").mkdir()  # and a version folder a killed writer left without version.json
+    (registry_root / "v0099" / "config.json").write_text("{}")
+    # Output to a file, not a pipe: torch's shared-memory manager, started by a swap, outlives `loop run` (it serves
+    # the replica's handles) and would hold a pipe open.
+    with open(tmp_path / "run2.log", "wb") as log:
+        again = subprocess.run(loop_run_command(rig, 1), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=300)
+    print((tmp_path / "run2.log").read_text()[-3000:])
+    assert again.returncode == 0
+    state = reader.state()
+    assert not [p.name for p in registry_root.iterdir() if p.name.startswith("v") and p.is_dir()
+                and not (p / "version.json").exists()]
+    assert not [v for v, entry in state["versions"].items() if entry["state"] in ("candidate", "promoting")]
+    assert state["pending"] is None and state["promoted"] == name
+    for url in (a, b):
+        assert state["replicas"][url]["version"] == name
+        assert checksum(url) == state["replicas"][url]["draft_checksum"], url
+    assert [generate(url, rig.prompts[0])["output_ids"] for url in (a, b)] == [rig.reference[0]] * 2
