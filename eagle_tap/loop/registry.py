@@ -363,7 +363,7 @@ class Registry:
 
     # ----------------------------------------------------------------------------------------------- events
     def event(self, kind: str, **details: Any) -> dict[str, Any]:
-        """Write one decision down (numbered in order; the counter lives in state.json)."""
+        """Write one decision down, numbered after the last one in events/ (only the lock holder writes)."""
         self._require_lock()
         numbers = [int(name.split(".")[0]) for name in self.store.names("events") if name.endswith(".json")]
         number = max(numbers, default=0) + 1

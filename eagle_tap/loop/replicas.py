@@ -151,13 +151,20 @@ def verify(url: str, swap: SwapResult, *, known_checksum: str | None, probe_prom
                         why=f"served acceptance {probe['acceptance_length']:.3f}, simulated {simulated:.3f}")
 
 
-def swap_in(url: str, version_dir: Path, *, reference_dir: Path | None) -> tuple[SwapResult, float]:
-    """Check, then swap the draft in version_dir into url; (SGLang's result, wall seconds of the whole call)."""
+def prepare_swap(url: str, version_dir: Path, *, reference_dir: Path | None) -> tuple[Serving, Path]:
+    """The checks before a swap, touching nothing: (what the replica serves, the folder to check the draft
+    against). DraftMismatchError or ReplicaDown."""
     replica = serving(url)
     check_fits_replica(version_dir, replica, reference_dir)
+    launched = Path(replica.draft_path)
+    return replica, launched if (launched / "config.json").is_file() else reference_dir
+
+
+def swap_in(url: str, version_dir: Path, *, reference_dir: Path | None) -> tuple[SwapResult, float]:
+    """Check, then swap the draft in version_dir into url; (SGLang's result, wall seconds of the swap)."""
+    _, serving_dir = prepare_swap(url, version_dir, reference_dir=reference_dir)
     started = time.perf_counter()
-    result = swap_draft(url, version_dir, serving_dir=Path(replica.draft_path)
-                        if (Path(replica.draft_path) / "config.json").is_file() else reference_dir)
+    result = swap_draft(url, version_dir, serving_dir=serving_dir)
     return result, time.perf_counter() - started
 
 

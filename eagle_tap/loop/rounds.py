@@ -220,6 +220,7 @@ def maybe_run_round(loop: Loop) -> dict[str, Any] | None:
         registry.set_version_state(version.name, "rejected", why)
     registry.write_round(name, info)
     registry.event("gate", round=name, version=version.name, passed=passed, why=why)
-    loop.say(f"round {name}: {version.name} {'passes' if passed else 'fails'} the gate: {why}")
+    loop.say(f"round {name}: coverage {info['coverage']['coverage']:.1%}; {version.name} "
+             f"{'passes' if passed else 'fails'} the gate: {why}")
     return {"round": name, "version": version.name, "decision": info["decision"], "why": why,
             "evaluation": evaluation}

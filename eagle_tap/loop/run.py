@@ -36,6 +36,7 @@ from typing import Any
 
 from eagle_tap.loop import replicas as rep
 from eagle_tap.loop.registry import Registry, RegistryError
+from eagle_tap.served.swap import swap_draft
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class LoopConfig:
     (tokens per verify step) ..."""
     regression_tolerance: float = 0.05
     """... and may fall below it on the regression set by at most this."""
-    min_coverage: float = 0.9
+    min_coverage: float = 0.8
     """Share of the new records' loss tokens the draft vocabulary must cover; below it the loop reports that
     a new mapping (a retrain and a restart) is needed, and trains no candidate."""
     probe_records: int = 6
@@ -160,15 +161,22 @@ class Loop:
         stop = stop or threading.Event()
         ticks = 0
         while not stop.is_set() and (max_ticks is None or ticks < max_ticks):
-            self.tick()
+            try:
+                self.tick()
+            except (OSError, ValueError, RuntimeError) as error:  # written down; the next tick tries again
+                log.exception("tick failed")
+                self.registry.event("tick_failed", why=f"{type(error).__name__}: {error}"[:2000])
+                self.say(f"tick failed: {type(error).__name__}: {error}")
             ticks += 1
             stop.wait(self.config.poll_s)
 
     # ---------------------------------------------------------------------------------------- replicas
     def desired_version(self, state: dict[str, Any], url: str) -> str | None:
+        """The promoted version; for a replica where it failed verification, what that replica kept (None: the
+        weights it was started with, which the registry does not hold) until a newer version is promoted."""
         record = state["replicas"].get(url) or {}
-        if record.get("failed_version") and record["failed_version"] == state["promoted"] and record.get("version"):
-            return record["version"]  # verification failed there: it keeps what it had until a newer version
+        if record.get("failed_version") and record["failed_version"] == state["promoted"]:
+            return record.get("version")
         return state["promoted"]
 
     def bring_up_to_date(self) -> dict[str, Any]:
@@ -179,7 +187,8 @@ class Loop:
             record = state["replicas"].get(url) or {}
             desired = self.desired_version(state, url)
             if desired is None:
-                out[url] = "no promoted version"
+                out[url] = (f"keeps the weights it started with: {state['promoted']} failed verification there"
+                            if state["promoted"] else "no promoted version")
                 continue
             if not rep.is_up(url):
                 if not record.get("down"):
@@ -219,8 +228,7 @@ class Loop:
         try:
             version_dir = self.registry.local_copy(version)
             reference = self.registry.local_copy(previous) if previous else version_dir
-            replica = rep.serving(url)
-            result, wall_s = rep.swap_in(url, version_dir, reference_dir=reference)
+            replica, serving_dir = rep.prepare_swap(url, version_dir, reference_dir=reference)
         except rep.ReplicaDown as error:
             self.registry.event("replica_down", replica=url, version=version, why=str(error))
             self._set_replica(url, down=True)
@@ -228,6 +236,19 @@ class Loop:
         except (ValueError, RegistryError) as error:  # refused before the replica was touched
             self.registry.event("swap_refused", replica=url, version=version, why=str(error))
             return {"result": "refused", "why": str(error)}
+        started = time.perf_counter()
+        try:
+            result = swap_draft(url, version_dir, serving_dir=serving_dir)
+        except (RuntimeError, OSError, ValueError) as error:  # touched: SGLang refused, or the replica went away
+            why = f"the swap failed: {type(error).__name__}: {error}"[:2000]
+            self.registry.event("swap_failed", replica=url, version=version, why=why)
+            try:
+                back = self.roll_back(url, previous, failed=version, why=why)
+            except (RuntimeError, OSError, ValueError) as again:  # the next tick compares its checksum again
+                self._set_replica(url, down=True)
+                back = {"result": f"could not roll back: {type(again).__name__}: {again}"[:500]}
+            return {"result": "rolled back", "why": why, "rollback": back}
+        wall_s = time.perf_counter() - started
         known = (state.get("checksums", {}).get(version) or {}).get(replica.weights_key)
         probe = info.get("probe") or {}
         verification = rep.verify(url, result, known_checksum=known, probe_prompts=self.probe_prompts(),
