@@ -392,11 +392,18 @@ class Registry:
             raise RegistryError(f"{self.url} has no round {name}")
         return json.loads(data)
 
+    def counted_rounds(self) -> list[dict[str, Any]]:
+        """The round files whose records count as used, oldest first: all but those of a version abandoned by a
+        stopped loop (a round file with decision "promote" is written before the promotion starts, so a loop
+        killed in between leaves its version a candidate; abandoned, its records are new again)."""
+        abandoned = {name for name, entry in self.state()["versions"].items() if entry.get("state") == "abandoned"}
+        infos = [self.read_round(name) for name in self.round_names()]
+        return [info for info in infos if info.get("version") not in abandoned]
+
     def used_record_ids(self) -> set[str]:
         """Every record a finished round trained on or held out: the records that are no longer new."""
         used: set[str] = set()
-        for name in self.round_names():
-            info = self.read_round(name)
+        for info in self.counted_rounds():
             used.update(info.get("new_record_ids", ()))
             used.update(info.get("heldout_record_ids", ()))
         return used

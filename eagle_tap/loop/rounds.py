@@ -173,8 +173,8 @@ def maybe_run_round(loop: Loop) -> dict[str, Any] | None:
     heldout, fresh = entries[-num_heldout:], entries[:-num_heldout]
     new_ids, heldout_ids = [entry.record_id for entry in fresh], [entry.record_id for entry in heldout]
     available = {entry.record_id for entry in shard_entries(config.shards)}
-    older = sorted(record_id for earlier in registry.round_names()
-                   for record_id in registry.read_round(earlier).get("new_record_ids", ()) if record_id in available)
+    older = sorted(record_id for earlier in registry.counted_rounds()  # an abandoned round's records are new again
+                   for record_id in earlier.get("new_record_ids", ()) if record_id in available)
     rng = random.Random(config.seed * 1_000_003 + number)
     replay_ids = rng.sample(older, min(len(older), round(config.replay_ratio * len(new_ids))))
     info: dict[str, Any] = {"round": name, "started_at": time.time(), "why": reason, "serving": serving,
