@@ -54,6 +54,7 @@ class LoopDemoConfig:
     """Steps of each round's warm-started training."""
     learning_rate: float = 3e-3
     round_learning_rate: float = 1e-3
+    ttt_steps: int = 7
     batch_size: int = 8
     max_length: int = 512
     served_steps: int = 3
@@ -182,7 +183,7 @@ def _train_settings(config: LoopDemoConfig, out: Path, run_dir: Path, *, steps: 
     if record_ids is not None:
         data["record_ids"] = str(record_ids)
     return {"target": str(TINY_MODEL_DIR), "draft_config": str(out / "draft-config.json"), "vocab": str(out / "vocab"),
-            "out_dir": str(run_dir), "seed": config.seed, "data": data, "objective": {"ttt_steps": 7},
+            "out_dir": str(run_dir), "seed": config.seed, "data": data, "objective": {"ttt_steps": config.ttt_steps},
             "optimizer": {"learning_rate": learning_rate, "warmup_steps": max(1, steps // 10)},
             "num_steps": steps, "log_every": max(1, steps // 10), "checkpoint_every": 0,
             "progress_bar": sys.stderr.isatty()}
@@ -235,7 +236,8 @@ def run_loop_demo(config: LoopDemoConfig) -> dict[str, Any]:
         work_dir=str(out / "loop"), regression_shards=str(out / "captures" / "old-heldout"),
         num_steps=config.served_steps, min_new_records=config.min_new_records, train_steps=config.round_steps,
         batch_size=config.batch_size, max_length=config.max_length, learning_rate=config.round_learning_rate,
-        warmup_steps=max(1, config.round_steps // 10), probe_max_new_tokens=config.served_max_new_tokens,
+        warmup_steps=max(1, config.round_steps // 10), ttt_steps=config.ttt_steps,
+        probe_max_new_tokens=config.served_max_new_tokens,
         seed=config.seed)
     first_draft = Path(summary["first_draft"]["export"])
     with contextlib.ExitStack() as stack:
