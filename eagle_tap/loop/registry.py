@@ -205,8 +205,7 @@ class Registry:
             held = self.store.read(LOCK_FILE)
             if held:
                 holder = json.loads(held)
-                mine = (holder.get("host"), holder.get("pid")) == (owner["host"], owner["pid"])
-                if not mine and time.time() - float(holder.get("at", 0)) < float(holder.get("lease_s", lease_s)):
+                if time.time() - float(holder.get("at", 0)) < float(holder.get("lease_s", lease_s)):
                     raise RegistryLocked(f"another loop runs on {self.url} ({holder}); its lease ends "
                                          f"{float(holder['at']) + float(holder.get('lease_s', lease_s)) - time.time():.0f} s "
                                          "after its last renewal")

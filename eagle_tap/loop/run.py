@@ -151,6 +151,12 @@ class Loop:
         report: dict[str, Any] = {"replicas": self.bring_up_to_date()}
         from eagle_tap.loop import rounds, watch
 
+        pending = self.registry.state().get("pending")
+        if pending:  # a promotion that found no replica answering: try again before any new round
+            report["promotion"] = self.promote(pending["to"])
+            if self.registry.state().get("pending"):
+                report["window"] = watch.record_window(self)
+                return report
         report["round"] = rounds.maybe_run_round(self)
         if report["round"] and report["round"].get("decision") == "promote":
             report["promotion"] = self.promote(report["round"]["version"])
