@@ -26,7 +26,7 @@ def _demo(args: argparse.Namespace) -> int:
         loop_config = LoopDemoConfig(out_dir=Path(args.out), replace=args.replace, num_rounds=args.rounds,
                                      served_steps=args.served_steps, **given(
                                          "train_steps", "round_steps", "max_new_tokens", "min_new_records",
-                                         "served_max_new_tokens", "heldout_every", "ttt_steps"))
+                                         "served_max_new_tokens", "heldout_every", "ttt_steps", "num_conversations"))
         run = lambda: run_loop_demo(loop_config)  # noqa: E731
     else:
         config = Config(out_dir=Path(args.out), replace=args.replace, num_conversations=args.num_conversations,
@@ -70,7 +70,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--out", default="demo-run", help="folder for everything the demo writes (default demo-run)")
     demo.add_argument("--replace", action="store_true", help="delete an earlier demo's folder at --out first")
     demo.add_argument("--conversations", help="JSONL of OpenAI `messages` rows to fire (default: the bundled set)")
-    demo.add_argument("--num-conversations", type=int, help="use only the first N bundled conversations")
+    demo.add_argument("--num-conversations", type=int,
+                      help="use only the first N bundled conversations (with --loop: of each domain)")
     demo.add_argument("--heldout-every", type=int, default=None, help="hold out every N-th conversation (default 8)")
     demo.add_argument("--live-sample-rate", type=float, default=1.0,
                       help="share of the ordinary chat traffic captured as live records (default 1.0)")

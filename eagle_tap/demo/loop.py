@@ -45,6 +45,8 @@ class LoopDemoConfig:
     """The `kind` of bundled conversation the first draft is trained on."""
     new_domain: str = "math"
     """The `kind` the traffic shifts to."""
+    num_conversations: int | None = None
+    """Use only the first N conversations of each of the two domains (None: all)."""
     heldout_every: int = 8
     max_new_tokens: int = 128
     draft_vocab_size: int = 1024
@@ -79,7 +81,7 @@ def _split(config: LoopDemoConfig, data_dir: Path) -> dict[str, Path]:
         if kind not in by_kind:
             raise ValueError(f"{config.conversations} has no conversation of kind {kind!r} "
                              f"(it has {', '.join(sorted(by_kind))})")
-        lines = by_kind[kind]
+        lines = by_kind[kind][: config.num_conversations]
         heldout = lines[config.heldout_every - 1 :: config.heldout_every]
         train = [line for number, line in enumerate(lines, start=1) if number % config.heldout_every]
         for part, chosen in (("train", train), ("heldout", heldout)):
