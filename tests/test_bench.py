@@ -1,8 +1,9 @@
 """`eagle-tap bench`: the codec and trainer benchmarks run at a tiny size and report well-formed results,
-the speculative capture benchmark pools acceptance as SGLang does and tables it per rate, and the report
-writer's JSON round-trips and its Markdown has one table row per measured item.
+the speculative capture benchmark pools acceptance as SGLang does and tables it per rate, the swap benchmark
+swaps a draft in and back on one real CPU SGLang server (the tiny target) with checksums verified and no request
+lost, and the report writer's JSON round-trips and its Markdown has one table row per measured item.
 
-No SGLang server and no assertion on speed: benchmarks are measured, never timed tests.
+No assertion on speed: benchmarks are measured, never timed tests.
 """
 
 from __future__ import annotations
@@ -171,3 +172,25 @@ def test_codec_acceptance_trains_paired_drafts_per_codec_and_evaluates_them_on_l
     # The lossy run trained on re-encoded shards; the held-out shards stayed the lossless ones.
     assert (tmp_path / "work" / "shards" / "int8-row").is_dir()
     assert measured["heldout_shards"] == str(demo / "captures" / "heldout")
+
+
+@pytest.mark.sglang
+def test_swap_bench_swaps_a_draft_in_and_back_idle_and_under_load() -> None:
+    from eagle_tap.bench import swap
+
+    config = swap.Config(hidden_sizes=(128,), num_swaps=1, gap_s=0.2)  # A -> B idle, B -> A loaded: one server
+    result = run_benchmarks(["swap"], configs={"swap": config}, log=lambda line: None)["benchmarks"]["swap"]
+    _check_well_formed(result)
+    assert [(row["hidden_size"], row["condition"]) for row in result["rows"]] == [(128, "idle"), (128, "load")]
+    (width,) = result["summary"]["widths"]
+    assert width["num_tensors"] == 13 and 1e6 < width["draft_bytes"] < 1e7  # the tiny draft's bf16 tensors
+    for condition in ("idle", "load"):
+        entry = width[condition]
+        assert len(entry["wall_ms"]) == len(entry["paused_ms"]) == 1 and entry["verified"]
+        assert 0 < entry["paused_ms"][0] < entry["wall_ms"][0]
+    for row in result["rows"]:
+        assert row["wall_ms"] > 0 and row["paused_ms"] > 0 and row["paused_ms_per_gb"] > 0
+        assert row["verified"] == "yes (1 swap)"
+    load = width["load"]
+    assert load["requests_failed"] == 0 and load["requests_ok"] > 0
+    assert result["summary"]["all_verified"] and result["summary"]["requests_failed"] == 0

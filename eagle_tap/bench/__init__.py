@@ -1,6 +1,6 @@
 """`eagle-tap bench`: the project's benchmarks, run side by side in one process and reported together.
 
-Each benchmark module (`codecs`, `collector`, `capture`, `trainer_pipeline`) has a typed `Config`
+Each benchmark module (`codecs`, `collector`, `capture`, `trainer_pipeline`, `swap`, ...) has a typed `Config`
 (its defaults are the full run, `Config.quick()` a shorter one) and `run(config) -> dict`, which
 measures and returns plain data that `json.dumps` takes as is:
 

@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, str] = {
     "objstore": "eagle_tap.bench.objstore",
     "served": "eagle_tap.bench.served",
     "spec-capture": "eagle_tap.bench.spec_capture",
+    "swap": "eagle_tap.bench.swap",
 }
 """Benchmark name (as `--only` takes it) -> module with `Config` and `run(config)`."""
 REPO_ROOT = Path(__file__).resolve().parents[2]
