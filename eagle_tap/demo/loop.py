@@ -66,6 +66,9 @@ class LoopDemoConfig:
     min_new_records: int = 40
     traffic_temperature: float = 0.7
     clients_per_replica: int = 1
+    client_pause_s: float = 1.0
+    """Think time of each client between requests: the replicas stay busy without taking every core from the
+    round's training (on a 2-core machine both share the CPU)."""
     max_wall_s: float = 1800.0
     """The loop stage gives up (an error) after this long without num_rounds rounds."""
     seed: int = 0
@@ -239,7 +242,7 @@ def run_loop_demo(config: LoopDemoConfig) -> dict[str, Any]:
         num_steps=config.served_steps, min_new_records=config.min_new_records, train_steps=config.round_steps,
         batch_size=config.batch_size, max_length=config.max_length, learning_rate=config.round_learning_rate,
         warmup_steps=max(1, config.round_steps // 10), ttt_steps=config.ttt_steps,
-        probe_max_new_tokens=config.served_max_new_tokens,
+        probe_max_new_tokens=config.served_max_new_tokens, train_num_threads=1,
         seed=config.seed)
     first_draft = Path(summary["first_draft"]["export"])
     with contextlib.ExitStack() as stack:
@@ -263,7 +266,8 @@ def run_loop_demo(config: LoopDemoConfig) -> dict[str, Any]:
         loop.init(first_draft, trained_on=trained_on)
         questions = user_questions(parts["new_train"])
         traffic = [ServingTraffic(url, questions, concurrency=config.clients_per_replica,
-                                  max_tokens=config.max_new_tokens, temperature=config.traffic_temperature)
+                                  max_tokens=config.max_new_tokens, temperature=config.traffic_temperature,
+                                  pause_s=config.client_pause_s)
                    for url in urls]
         for client in traffic:
             stack.callback(client.stop)

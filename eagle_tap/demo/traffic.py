@@ -21,13 +21,14 @@ class ServingTraffic:
     """Untagged chat requests in `concurrency` threads, from `start()` until `stop()`."""
 
     def __init__(self, server_url: str, questions: list[str], *, concurrency: int = 2, max_tokens: int = 32,
-                 timeout_s: float = 60.0, temperature: float = 0.0) -> None:
+                 timeout_s: float = 60.0, temperature: float = 0.0, pause_s: float = 0.0) -> None:
         if not questions:
             raise ValueError("serving traffic needs at least one question")
         self._url = f"{server_url}/v1/chat/completions"
         self._questions = questions
         self._max_tokens = max_tokens
         self._temperature = temperature
+        self._pause_s = pause_s
         self._timeout_s = timeout_s
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -67,6 +68,8 @@ class ServingTraffic:
                 with self._lock:
                     self._latencies_s.append(time.monotonic() - started_s)
                     self._num_completion_tokens += int(body["usage"]["completion_tokens"])
+                if self._pause_s:
+                    self._stop.wait(self._pause_s)  # a client's think time between requests
 
     def _count_failure(self, reason: str) -> None:
         with self._lock:

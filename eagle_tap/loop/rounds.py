@@ -125,7 +125,7 @@ def train_candidate(loop: Loop, round_dir: Path, init_from: Path, record_ids: li
         "objective": {"ttt_steps": config.ttt_steps},
         "optimizer": {"learning_rate": config.learning_rate, "warmup_steps": config.warmup_steps},
         "num_steps": config.train_steps, "log_every": max(1, config.train_steps // 10), "checkpoint_every": 0,
-        "progress_bar": sys.stderr.isatty(),
+        "progress_bar": sys.stderr.isatty(), "num_threads": config.train_num_threads,
     }
     summary = train(config_from_dict(TrainConfig, settings))
     folder = export(run_dir, round_dir / "export")

@@ -91,6 +91,9 @@ class LoopConfig:
     probe_max_new_tokens: int = 48
     probe_tolerance: float = 0.2
     """After a swap the probe's served acceptance must reach (1 - this) x the version's simulated served walk."""
+    train_num_threads: int | None = None
+    """torch CPU threads of a round's training (None: torch's default); on a CPU shared with serving replicas, 1
+    keeps training from fighting them for cores."""
     poll_s: float = 10.0
     """Seconds between ticks of `eagle-tap loop run`."""
     seed: int = 0
