@@ -284,7 +284,9 @@ def run_loop_demo(config: LoopDemoConfig) -> dict[str, Any]:
                 time.sleep(1.0)
         finally:
             summary["traffic"] = [client.stop() for client in traffic]
-        loop.tick()  # the last records' window
+        from eagle_tap.loop.watch import record_window
+
+        record_window(loop)  # the last records' window (a tick could start another round)
         done("loop")
         stage("after")
         summary["served_after"] = served(urls, prompts, config.served_max_new_tokens)

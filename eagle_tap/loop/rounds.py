@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 import sys
 import time
@@ -100,8 +101,17 @@ def evaluate_draft(loop: Loop, draft_dir: Path, shards: str, record_ids: list[st
     from trainer.evaluate import evaluate
 
     ids_file = write_ids(Path(loop.config.work_dir) / "ids" / f"{ids_digest(record_ids)[:16]}.txt", record_ids)
-    result = evaluate(draft_dir, shards, record_ids=str(ids_file), target=loop.config.target, vocab=loop.config.vocab,
-                      max_length=loop.config.max_length, served_max_new_tokens=served_max_new_tokens)
+    # eval warns that an exported draft lists no training records; the round keeps held-out and training
+    # records apart itself (maybe_run_round), so the warning would only repeat on every evaluation.
+    eval_log = logging.getLogger("trainer.evaluate")
+    level = eval_log.level
+    eval_log.setLevel(logging.ERROR)
+    try:
+        result = evaluate(draft_dir, shards, record_ids=str(ids_file), target=loop.config.target,
+                          vocab=loop.config.vocab, max_length=loop.config.max_length,
+                          served_max_new_tokens=served_max_new_tokens)
+    finally:
+        eval_log.setLevel(level)
     index = result["chain_lengths"].index(loop.config.num_steps)
     draft = result["drafts"]["draft"]
     return {"served_walk": draft["served_walk_acceptance_length"][index],
@@ -171,14 +181,20 @@ def maybe_run_round(loop: Loop) -> dict[str, Any] | None:
     round_dir = Path(config.work_dir) / name
     num_heldout = max(config.min_heldout_records, round(len(entries) * config.heldout_fraction))
     heldout, fresh = entries[-num_heldout:], entries[:-num_heldout]
+    # A request sent again (greedy, or the same prompt) gives a record with the same tokens under another id:
+    # it must not train a candidate that is judged on its twin.
+    heldout_sequences = {entry.ids_xxh3_64 for entry in heldout}
+    twins = [entry for entry in fresh if entry.ids_xxh3_64 in heldout_sequences]
+    fresh = [entry for entry in fresh if entry.ids_xxh3_64 not in heldout_sequences]
     new_ids, heldout_ids = [entry.record_id for entry in fresh], [entry.record_id for entry in heldout]
-    available = {entry.record_id for entry in shard_entries(config.shards)}
+    available = {entry.record_id for entry in shard_entries(config.shards) if entry.ids_xxh3_64 not in heldout_sequences}
     older = sorted(record_id for earlier in registry.counted_rounds()  # an abandoned round's records are new again
                    for record_id in earlier.get("new_record_ids", ()) if record_id in available)
     rng = random.Random(config.seed * 1_000_003 + number)
     replay_ids = rng.sample(older, min(len(older), round(config.replay_ratio * len(new_ids))))
     info: dict[str, Any] = {"round": name, "started_at": time.time(), "why": reason, "serving": serving,
-                            "new_record_ids": new_ids, "heldout_record_ids": heldout_ids, "replay_record_ids": replay_ids}
+                            "new_record_ids": new_ids, "heldout_record_ids": heldout_ids, "replay_record_ids": replay_ids,
+                            "left_out_twins_of_heldout": [entry.record_id for entry in twins]}
     loop.say(f"round {name}: {reason}; {len(new_ids)} new records to train on, {len(heldout_ids)} held out, "
              f"{len(replay_ids)} replayed")
     registry.event("round_started", round=name, why=reason, new=len(new_ids), heldout=len(heldout_ids),
