@@ -192,5 +192,5 @@ def test_swap_bench_swaps_a_draft_in_and_back_idle_and_under_load() -> None:
         assert row["wall_ms"] > 0 and row["paused_ms"] > 0 and row["paused_ms_per_gb"] > 0
         assert row["verified"] == "yes (1 swap)"
     load = width["load"]
-    assert load["requests_failed"] == 0 and load["requests_ok"] > 0
+    assert load["requests_failed"] == 0 and load["requests_ok"] > 0 and load["request_s"] > 0
     assert result["summary"]["all_verified"] and result["summary"]["requests_failed"] == 0

@@ -17,8 +17,9 @@ Reported per width and condition:
 - scheduler pause: `SwapResult.paused_s`, pause to continue, the stall running requests see; per GB sent;
 - verified: every swap left the target's checksum unchanged and moved the draft's to the checksum of the set
   sent (B's differs from A's, and A's after a swap back is the one the server started with);
-- under load: requests answered and failed (an exception, or fewer tokens than asked), and how many were in
-  flight across a whole swap call (started before it, finished after: paused in place, not dropped).
+- under load: requests answered and failed (an exception, or fewer tokens than asked), how many were in
+  flight across a whole swap call (started before it, finished after: paused in place, not dropped), and a
+  request's median time (a random draft proposes nothing right, so about one target step per token).
 """
 
 from __future__ import annotations
@@ -67,6 +68,15 @@ class Config:
     max_total_tokens: int = 16_384
     """SGLang's KV pool in tokens (the widest target's pool stays small next to the machine's memory)."""
 
+    def __post_init__(self) -> None:
+        if self.num_swaps < 1 or self.load_concurrency < 1:
+            raise ValueError(f"num_swaps and load_concurrency must be at least 1; got {self.num_swaps} and "
+                             f"{self.load_concurrency}")
+        for hidden_size in self.hidden_sizes:
+            if hidden_size != TINY_HIDDEN_SIZE and (hidden_size <= 0 or hidden_size % (4 * HEAD_DIM)):
+                raise ValueError(f"hidden size {hidden_size} is neither {TINY_HIDDEN_SIZE} (the tiny target) nor a "
+                                 f"positive multiple of {4 * HEAD_DIM} (heads of {HEAD_DIM}, 4 query heads per KV head)")
+
     @classmethod
     def quick(cls) -> Config:
         return cls(hidden_sizes=(128, 1024), num_swaps=2)
@@ -82,9 +92,6 @@ def build_target(hidden_size: int, num_layers: int, out_dir: Path) -> Path:
     from eagle_tap.tiny_model.random import Config as RandomConfig
     from eagle_tap.tiny_model.random import hf_config
 
-    if hidden_size % (4 * HEAD_DIM):
-        raise ValueError(f"hidden size {hidden_size} is not a multiple of {4 * HEAD_DIM} (heads of {HEAD_DIM}, 4 query "
-                         f"heads per KV head); accepted: {TINY_HIDDEN_SIZE} (the tiny target) or such a multiple")
     config = hf_config(RandomConfig(arch="llama", num_layers=num_layers))
     config.hidden_size, config.intermediate_size, config.head_dim = hidden_size, 4 * hidden_size, HEAD_DIM
     config.num_attention_heads, config.num_key_value_heads = hidden_size // HEAD_DIM, hidden_size // (4 * HEAD_DIM)
@@ -245,7 +252,8 @@ def measure_width(config: Config, hidden_size: int, work: Path) -> dict[str, Any
     measured["load"].update(
         requests_ok=sum(ok for _, _, ok in load.requests), requests_failed=sum(not ok for _, _, ok in load.requests),
         requests_across_a_swap=sum(any(start < swap["started"] and end > swap["ended"] for swap in loaded)
-                                   for start, end, _ in load.requests))
+                                   for start, end, _ in load.requests),
+        request_s=statistics.median(end - start for start, end, _ in load.requests))
     return measured
 
 
@@ -305,7 +313,9 @@ def report(config: Config, measured: list[dict[str, Any]]) -> dict[str, Any]:
         "pause: pause_generation to continue_generation (SwapResult.paused_s); per GB: median / draft GB sent",
         "verified: target checksum unchanged by every swap, draft checksum = that of the set sent (B's != A's, "
         "A's = the one the server started with); " + ("all held" if all_verified else "SOME DID NOT HOLD"),
-        f"requests under load: answered in full / failed (an error or fewer tokens); {failed} failed in all",
+        f"requests under load: answered in full / failed (an error or fewer tokens); {failed} failed in all; a "
+        "request's median time (s): " + ", ".join(f"{width['hidden_size']}: {width['load']['request_s']:.2f}"
+                                                  for width in measured),
     ]
     return {"title": "Draft swap in place: SGLang's weight-update API, idle and under load",
             "parameters": asdict(config), "columns": COLUMNS, "rows": rows,
