@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 SGLANG_SPEC ?= sglang==0.5.23
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench install clean-venv
+.PHONY: test demo demo-loop bench install clean-venv
 
 test: $(STAMP)
 	$(VPY) -m pytest
@@ -17,6 +17,10 @@ test: $(STAMP)
 # The whole pipeline on this machine (about 3 minutes on 2 cores); an earlier demo-run/ is replaced.
 demo: $(STAMP)
 	$(VPY) -m eagle_tap.cli demo --out demo-run --replace
+
+# The closed loop: a draft trained on one domain, traffic shifted to another, rounds swapped into two replicas.
+demo-loop: $(STAMP)
+	$(VPY) -m eagle_tap.cli demo --loop --out demo-loop-run --replace
 
 # Every benchmark in one run: bench-results/bench.json and bench.md.
 bench: $(STAMP)
