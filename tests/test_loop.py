@@ -384,6 +384,44 @@ def test_weights_that_pass_every_check_but_serve_badly_are_rolled_back_on_the_ca
 
 
 @pytest.mark.sglang
+def test_a_replica_that_fails_verification_after_the_canary_is_put_back_alone(rig, tmp_path, monkeypatch):
+    """The transfer to the second replica is made to deliver other weights than the version's (a fault injected at
+    the swap call): its draft checksum then differs from the canary's for the same version, so that replica alone
+    goes back to the previous version, and the canary keeps the new one."""
+    import eagle_tap.loop.run as loop_run
+
+    a, b = rig.a.url, rig.b.url
+    scaled = edited_copy(rig.trained, tmp_path / "scaled", lambda tensors: tensors.__setitem__(
+        "fc.weight", tensors["fc.weight"] * 1.01))
+    real_swap = loop_run.swap_draft
+
+    def faulty_transfer(url, candidate_dir, *, serving_dir):
+        if url == b and Path(candidate_dir).name == name:  # what arrives at b is not the version
+            return real_swap(url, rig.trained, serving_dir=serving_dir)
+        return real_swap(url, candidate_dir, serving_dir=serving_dir)
+
+    with rig.loop() as loop:
+        previous = loop.registry.state()["promoted"]
+        before = {url: checksum(url) for url in (a, b)}
+        name = loop.registry.add_version(scaled, parent=previous, made={"how": "fc scaled by 1.01"}).name
+        first = last_event_number(loop.registry)
+        monkeypatch.setattr(loop_run, "swap_draft", faulty_transfer)
+        result = loop.promote(name)
+        monkeypatch.setattr(loop_run, "swap_draft", real_swap)
+        events = events_since(loop.registry, first)
+        state = loop.registry.state()
+        assert loop.bring_up_to_date() == {a: f"serves {name}", b: f"serves {previous}"}  # b is not retried
+    assert result["state"] == "promoted", result
+    failed = [event for event in events if event["kind"] == "verification_failed"]
+    assert [event["replica"] for event in failed] == [b] and "differs from this version's" in failed[0]["why"]
+    assert state["promoted"] == name and state["pending"] is None
+    assert state["replicas"][a]["version"] == name and not state["replicas"][a].get("failed_version")
+    assert state["replicas"][b]["version"] == previous and state["replicas"][b]["failed_version"] == name
+    assert checksum(b) == before[b] and checksum(a) not in (before[a], before[b])
+    assert checksum(a) == state["replicas"][a]["draft_checksum"]
+
+
+@pytest.mark.sglang
 def test_a_replica_down_during_a_promotion_is_caught_up_once_it_answers(rig, tmp_path):
     from eagle_tap.sglang_server import SGLangServer
 
