@@ -150,3 +150,32 @@ def test_the_demo_never_deletes_a_folder_it_did_not_make(tmp_path: Path, capsys:
     assert main(["demo", "--out", str(tmp_path), "--replace"]) == 2
     assert "is not a demo folder" in capsys.readouterr().err
     assert (tmp_path / "notes.txt").read_text() == "mine" and not (tmp_path / MARKER_NAME).exists()
+
+
+def test_the_loop_demo_shifts_the_traffic_runs_its_rounds_and_drops_no_request(tmp_path: Path) -> None:
+    """`demo --loop` at a small size: both replicas measured before and after, two rounds decided, every request
+    answered, every swap verified, the registry consistent and every process stopped."""
+    out = tmp_path / "loop-demo"
+    command = [sys.executable, "-m", "eagle_tap.cli", "demo", "--loop", "--out", str(out), "--num-conversations", "24",
+               "--heldout-every", "6", "--max-new-tokens", "24", "--train-steps", "30", "--round-steps", "8",
+               "--min-new-records", "8", "--ttt-steps", "2", "--served-max-new-tokens", "12", "--rounds", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "closed loop: summary" in done.stdout and processes_of(out) == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["processes_left"] == [] and summary["failed_requests"] == 0
+    assert sum(client["num_answered"] for client in summary["traffic"]) > 0
+    for when in ("served_before", "served_after"):
+        for domain in ("old", "new"):
+            per_replica = summary[when][domain]
+            assert len(per_replica) == 2 and all(figures["verify_steps"] > 0 for figures in per_replica.values())
+    assert len(summary["rounds"]) == 2
+    for item in summary["rounds"]:
+        assert item["decision"] in ("promote", "reject") and item["new_records"] > 0 and item["heldout_records"] >= 4
+        assert item["heldout_served_walk"]["serving"] > 0 and item["heldout_served_walk"]["candidate"] > 0
+    state = json.loads((out / "registry" / "state.json").read_text())
+    assert state["pending"] is None and state["promoted"] == summary["promoted"]
+    assert {record["version"] for record in state["replicas"].values()} == {summary["promoted"]}
+    assert all(event["kind"] == "swapped" for event in summary["swaps"]) and summary["rollbacks"] == []
+    scratch = summary["from_scratch"]
+    assert scratch["records"] > 0 and all(scratch[domain]["from_scratch"] > 0 for domain in ("old", "new"))
