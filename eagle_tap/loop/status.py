@@ -69,12 +69,16 @@ def format_status(status: dict[str, Any], *, num_events: int = 20) -> str:
         lines += ["", "replicas", text_table(rows, header=["replica", "version", "draft checksum", "state",
                                                     "failed there", "since (UTC)"], align="<<<<<<")]
     if status["windows"]:
-        rows = [[_when(w["until"]), w.get("promoted") or "-", str(w["records"]), str(w["verify_steps"]),
-                 _figure(w.get("acceptance_length")),
-                 ", ".join(d["draft"][:12] for d in w.get("drafts", ())) or "-"] for w in status["windows"][-20:]]
-        lines += ["", "served acceptance of captured records, per window (SGLang's verify counts)",
-                  text_table(rows, header=["until (UTC)", "promoted", "records", "verify steps", "acceptance",
-                                         "draft ids"])]
+        rows = []
+        for w in status["windows"][-20:]:
+            rows.append([_when(w["until"]), w.get("promoted") or "-", "all", str(w["records"]), str(w["verify_steps"]),
+                         _figure(w.get("acceptance_length"))])
+            for draft in w.get("drafts", ()) if len(w.get("drafts", ())) > 1 else ():
+                rows.append(["", "", draft["draft"][:12], str(draft["num_records"]), str(draft["verify_steps"]),
+                             _figure(draft.get("acceptance_length"))])
+        lines += ["", "served acceptance of captured records, per window and serving draft (SGLang's verify counts)",
+                  text_table(rows, header=["until (UTC)", "promoted", "draft", "records", "verify steps",
+                                           "acceptance"], align="<<<>>>")]
     if status["swaps"]:
         rows = []
         for event in status["swaps"][-20:]:
