@@ -1,4 +1,4 @@
-"""Every setting of the plugin, the collector, the trainer and the object store in one Markdown table, from the code.
+"""Every setting of the plugin, the collector, the trainer, the loop and the object store in one Markdown table, from the code.
 
 The README embeds the table between `<!-- settings -->` markers; a test fails when the two differ, so
 the table cannot drift from the settings classes. `python -m eagle_tap.settings_table` prints it.
@@ -89,11 +89,13 @@ def settings_table() -> str:
     from capture_format.object_store import ENVIRONMENT as OBJECT_STORE_ENVIRONMENT
     from collector_service.settings import CollectorSettings
     from sglang_patch.settings import CaptureSettings
+    from eagle_tap.loop.run import LoopConfig
     from trainer.train import Config as TrainConfig
 
     rows = _pydantic_rows(CaptureSettings, "plugin (SGLang server env)", "EAGLE_TAP_", {})
     rows += _pydantic_rows(CollectorSettings, "collector (env / flag)", "EAGLE_TAP_COLLECTOR_", _collector_flags())
     rows += _dataclass_rows(TrainConfig, "trainer (`train --config` key)")
+    rows += _dataclass_rows(LoopConfig, "loop (`loop --config` key, or `--set key=value`)")
     rows += [("object store (env of collector and readers)", f"`{name}`", default, meaning)
              for name, default, meaning in OBJECT_STORE_ENVIRONMENT]
     return markdown_table(["part", "setting", "default", "meaning"], rows)

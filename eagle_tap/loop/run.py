@@ -65,20 +65,27 @@ class LoopConfig:
     num_steps: int = 3
     """Draft tokens per verify step the replicas serve with (the simulated chain compared with them)."""
     min_new_records: int = 64
-    """A round starts once this many records arrived since the last one ..."""
+    """A round starts once this many records arrived that no round used ..."""
     max_age_s: float | None = None
-    """... or once the oldest of them waited this long (None: count only), given at least min_heldout_records + 1."""
+    """... or once the oldest of them waited this long (unset: count only), given more than min_heldout_records."""
     heldout_fraction: float = 0.25
     """The newest share of the new records is held out to judge the candidate, never trained on."""
     min_heldout_records: int = 4
+    """Held out at least this many records, whatever the share."""
     replay_ratio: float = 1.0
     """Older records (from earlier rounds) per new record in the training mix."""
     train_steps: int = 200
+    """Optimizer steps of each round's warm-started training."""
     batch_size: int = 8
+    """Records per training batch (and per evaluation batch)."""
     max_length: int = 512
+    """Positions per record in training and evaluation."""
     learning_rate: float = 1e-3
+    """Peak learning rate of a round (a warm start wants less than a first training)."""
     warmup_steps: int = 10
+    """Linear warmup steps of a round."""
     ttt_steps: int = 7
+    """Test-time-training unroll length while training."""
     gate_margin: float = 0.05
     """The candidate's served walk on the held-out new records must beat the promoted version's by this
     (tokens per verify step) ..."""
@@ -88,7 +95,9 @@ class LoopConfig:
     """Share of the new records' loss tokens the draft vocabulary must cover; below it the loop reports that
     a new mapping (a retrain and a restart) is needed, and trains no candidate."""
     probe_records: int = 6
+    """Prompts of the probe after each swap: the first records of regression_shards (0: checksums only)."""
     probe_max_new_tokens: int = 48
+    """Tokens generated per probe prompt (the served walk is simulated over as many)."""
     probe_tolerance: float = 0.2
     """After a swap the probe's served acceptance must reach (1 - this) x the version's simulated served walk."""
     train_num_threads: int | None = None
@@ -97,6 +106,7 @@ class LoopConfig:
     poll_s: float = 10.0
     """Seconds between ticks of `eagle-tap loop run`."""
     seed: int = 0
+    """Seeds the replay draw, the data order and the draft's initialisation."""
 
 
 class Loop:
