@@ -12,7 +12,8 @@ and only then puts its index, so:
 What must hold: a record comes back only after the same checks as a local read (check_record_bytes):
 its bytes are exactly the indexed frame, checksums and header fields agree with the index. Each record
 is fetched alone with a ranged GET, so a training rank fetches only the records it reads, and is kept in
-a RecordCache; a cached copy that fails its checks is dropped and fetched again once.
+a RecordCache; a cached copy that fails its checks is dropped (no reference to it kept) and fetched again
+once, so reading a record holds one copy of it, never two.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ from capture_format.token_ids import RecordTokens, read_token_ids_from_frame
 __all__ = ["RemoteShardDirectory", "list_objects"]
 
 T = TypeVar("T")
+
+FETCH_CHUNK_NBYTES = 4 << 20
+"""A frame larger than this is fetched in ranged GETs of this size (see RemoteShardDirectory._fetch)."""
 
 
 def list_objects(fs: Any, location: ObjectLocation) -> dict[str, int]:
@@ -160,8 +164,25 @@ class RemoteShardDirectory(IndexedShards):
                 self.num_fetched_bytes += len(data)
 
     def _fetch(self, entry: IndexEntry) -> bytes:
+        """entry's frame with ranged GETs of at most FETCH_CHUNK_NBYTES into one buffer: a whole-frame GET
+        would briefly hold the frame twice (the client joins the body's chunks)."""
+        path = str(entry.shard_path)
         try:
-            data = self.fs.cat_file(str(entry.shard_path), start=entry.offset, end=entry.offset + entry.length)
+            if entry.length <= FETCH_CHUNK_NBYTES:
+                data = self.fs.cat_file(path, start=entry.offset, end=entry.offset + entry.length)
+            else:
+                data = bytearray(entry.length)
+                num_read = 0
+                while num_read < entry.length:
+                    start = entry.offset + num_read
+                    chunk = self.fs.cat_file(path, start=start, end=min(start + FETCH_CHUNK_NBYTES,
+                                                                        entry.offset + entry.length))
+                    if not chunk:  # the object ends early: check_record_bytes names the short frame
+                        del data[num_read:]
+                        break
+                    data[num_read : num_read + len(chunk)] = chunk
+                    num_read += len(chunk)
+                    del chunk
         except Exception as err:
             raise object_error(self.url_of(entry), err) from None
         self.num_fetched_records += 1
@@ -172,16 +193,26 @@ class RemoteShardDirectory(IndexedShards):
         """check(frame bytes) on the cached copy of entry's frame, or on a fresh one if there is none or the
         cached one fails; a fresh frame that passes is cached."""
         key = self._key(entry)
-        cached = self.cache.get(key)
-        if cached is not None:
-            try:
-                return check(cached)
-            except CaptureFormatError:
-                self.cache.discard(key)  # damaged in the cache: the store's copy decides
+        result = self._check_cached(key, check)
+        if result is not None:
+            return result[0]
         data = self._fetch(entry)
         result = check(data)
         self.cache.put(key, data)
         return result
+
+    def _check_cached(self, key: str, check: Callable[[bytes], T]) -> tuple[T] | None:
+        """(check(cached copy),), or None when there is none or it fails (then it is discarded). Its own
+        frame, so that no reference to a damaged copy (a local, a traceback's frame) outlives it while
+        the store's copy is fetched: a frame may be as large as a record gets."""
+        cached = self.cache.get(key)
+        if cached is None:
+            return None
+        try:
+            return (check(cached),)
+        except CaptureFormatError:
+            self.cache.discard(key)  # damaged in the cache: the store's copy decides
+            return None
 
     def read_stored_record(self, entry: IndexEntry) -> CaptureRecord:
         """Reads and fully verifies the record at entry as stored (see the module docstring)."""

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+import tracemalloc
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
@@ -24,6 +25,7 @@ import pytest
 
 import capture_format as cf
 from capture_format.object_store import RecordCache, parse_location, s3_filesystem
+from capture_format import remote_shards
 from capture_format.remote_shards import RemoteShardDirectory
 from capture_format.shard_index import format_index, parse_shard_file_name, shard_file_name, shard_stem
 from collector_service.uploader import Uploader, pending_uploads
@@ -325,6 +327,36 @@ def test_a_damaged_cached_frame_is_fetched_again(training_bucket: dict[str, str]
         again = shards.read_record(entry)
         assert shards.num_fetched_records == 2 and cache.num_hits == 1
     assert (again.aux == expected.aux).all() and (again.final == expected.final).all()
+
+
+def test_a_damaged_record_is_refused_without_holding_two_copies(s3: S3Server, tmp_path: Path) -> None:
+    # A damaged cached copy is dropped before the store's copy is fetched: reading costs one copy, not two
+    # (plus the fetch's own), even when the store's copy is damaged too and the record is refused.
+    url = f"s3://{new_bucket(s3, 'bad-record')}/p"
+    (index,) = cf.write_shards([make_record("big", num_tokens=4096, hidden_size=1024)], tmp_path / "data",
+                                 records_per_shard=1)
+    data = bytearray(index.shard_path.read_bytes())
+    data[-10] ^= 0x40  # inside the payload: same size, other bytes
+    fs = s3_filesystem()
+    fs.pipe_file(f"bad-record/p/{index.shard_path.name}", bytes(data))
+    fs.pipe_file(f"bad-record/p/{shard_stem(index.shard_path.name)}.index.json", format_index(index).encode())
+    del data
+    cache = RecordCache(tmp_path / "cache", max_bytes=1 << 30)
+    with RemoteShardDirectory(url, cache=cache) as shards:
+        (entry,) = shards.iter_index()
+        assert entry.length > 4 * remote_shards.FETCH_CHUNK_NBYTES
+        cache.put(shards._key(entry), bytes(entry.length))  # a damaged cached copy (all zeros)
+        tracemalloc.start()
+        try:
+            with pytest.raises(cf.ChecksumError, match=f"{index.shard_path.name} at offset 0"):
+                shards.read_record(entry)
+            _, peak_nbytes = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert shards.num_fetched_records == 1 and not list((tmp_path / "cache").iterdir())
+        assert peak_nbytes < 2 * entry.length, (peak_nbytes, entry.length)
+        fs.pipe_file(f"bad-record/p/{index.shard_path.name}", index.shard_path.read_bytes())  # repaired
+        assert shards.read_record(entry).record_id == "big" and len(list((tmp_path / "cache").iterdir())) == 1
 
 
 # --- the benchmark ----------------------------------------------------------------------------------
