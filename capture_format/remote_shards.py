@@ -19,7 +19,7 @@ once, so reading a record holds one copy of it, never two.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import PurePosixPath
 from types import TracebackType
 from typing import Any, TypeVar
@@ -45,6 +45,28 @@ T = TypeVar("T")
 
 FETCH_CHUNK_NBYTES = 4 << 20
 """A frame larger than this is fetched in ranged GETs of this size (see RemoteShardDirectory._fetch)."""
+MAX_INDEX_NBYTES = 64 << 20
+"""An index object larger than this is damaged and never fetched (an index takes some 300 bytes a record)."""
+INDEX_BATCH_MAX_OBJECTS = 32
+INDEX_BATCH_MAX_NBYTES = 256 << 20
+"""Index objects are fetched concurrently in batches of at most so many objects and listed bytes (an object
+over MAX_INDEX_NBYTES counts as nothing: it is not fetched)."""
+
+
+def _index_batches(indexed: list[tuple[str, str]], objects: dict[str, int],
+                   max_index_nbytes: int) -> Iterator[list[tuple[str, str]]]:
+    """(shard, index object) pairs in order, in batches bounded by INDEX_BATCH_MAX_OBJECTS and _NBYTES."""
+    batch: list[tuple[str, str]] = []
+    batch_nbytes = 0
+    for pair in indexed:
+        nbytes = objects[pair[1]] if objects[pair[1]] <= max_index_nbytes else 0
+        if batch and (len(batch) == INDEX_BATCH_MAX_OBJECTS or batch_nbytes + nbytes > INDEX_BATCH_MAX_NBYTES):
+            yield batch
+            batch, batch_nbytes = [], 0
+        batch.append(pair)
+        batch_nbytes += nbytes
+    if batch:
+        yield batch
 
 
 def list_objects(fs: Any, location: ObjectLocation) -> dict[str, int]:
@@ -66,31 +88,36 @@ def list_objects(fs: Any, location: ObjectLocation) -> dict[str, int]:
 class RemoteShardDirectory(IndexedShards):
     """The sealed shards under an s3:// prefix and their indexes, loaded when it is opened."""
 
-    def __init__(self, url: str, *, skip_damaged: bool = False, cache: RecordCache | None = None) -> None:
+    def __init__(self, url: str, *, skip_damaged: bool = False, cache: RecordCache | None = None,
+                 max_index_nbytes: int | None = None) -> None:
         """Lists the prefix and loads every index (damaged shards raise ShardError, or with skip_damaged are
-        listed in `damaged`); records are fetched when read, through cache (default: RecordCache())."""
+        listed in `damaged`); records are fetched when read, through cache (default: RecordCache()). An index
+        object over max_index_nbytes (default MAX_INDEX_NBYTES) is damaged and not fetched."""
         self.location = parse_location(url)
         self.path = self.location.url
         self._cache = cache
         self._fs_pid = -1
         self._fs: Any = None
+        max_index_nbytes = MAX_INDEX_NBYTES if max_index_nbytes is None else max_index_nbytes
         objects = list_objects(self.fs, self.location)
         if not objects:
             raise ShardError(f"{self.location.url} holds no shard objects (shard-*.etap and their .index.json): "
                              "is it the prefix the collector uploads to?")
         sealed = {shard_stem(name): name for name in sorted(objects) if parse_shard_file_name(name)[1] == SEALED_SUFFIX}
         indexes = {shard_stem(name): name for name in sorted(objects) if parse_shard_file_name(name)[1] == INDEX_SUFFIX}
-        texts = self._fetch_all([self.location.path(indexes[stem]) for stem in sealed if stem in indexes])
         shards, damaged = [], []
-        for stem, name in sealed.items():
-            if stem not in indexes:
-                continue
-            try:
-                shards.append(self._load_index(name, objects[name], texts[self.location.path(indexes[stem])]))
-            except ShardError as err:
-                if not skip_damaged:
-                    raise
-                damaged.append(DamagedShard(PurePosixPath(self.location.path(name)), f"{name}: {err}"))
+        indexed = [(name, indexes[stem]) for stem, name in sealed.items() if stem in indexes]
+        for batch in _index_batches(indexed, objects, max_index_nbytes):
+            texts = self._fetch_indexes([(index_name, objects[index_name]) for _, index_name in batch],
+                                        max_index_nbytes)
+            for (name, index_name), text in zip(batch, texts):
+                try:
+                    shards.append(self._load_index(name, objects[name], text))
+                except ShardError as err:
+                    if not skip_damaged:
+                        raise
+                    damaged.append(DamagedShard(PurePosixPath(self.location.path(name)), f"{name}: {err}"))
+            del texts  # one batch of index texts at a time
         for stem, index_name in indexes.items():
             if stem not in sealed:
                 reason = f"{self.location.url_of(index_name)} is an index without a shard ({stem}{SEALED_SUFFIX} is gone)"
@@ -118,17 +145,31 @@ class RemoteShardDirectory(IndexedShards):
             self._cache = RecordCache()
         return self._cache
 
-    def _fetch_all(self, paths: list[str]) -> dict[str, bytes | BaseException]:
-        if not paths:
-            return {}
+    def _fetch_indexes(self, objects: list[tuple[str, int]], max_index_nbytes: int) -> list[bytes | BaseException]:
+        """The bytes of each (index object, listed size), fetched together with ranged GETs of exactly the
+        listed size; an object over max_index_nbytes is not fetched (a ShardError in its place)."""
+        texts: list[bytes | BaseException] = [
+            ShardError(f"{self.location.url_of(name)} is {nbytes:,} bytes, over the {max_index_nbytes:,} an index "
+                       "may be (remote_shards.MAX_INDEX_NBYTES): not read, the shard is damaged; "
+                       "`eagle-tap shards repair` on the collector's copy rebuilds its index")
+            if nbytes > max_index_nbytes else b"" for name, nbytes in objects]
+        wanted = [position for position, (_, nbytes) in enumerate(objects) if 0 < nbytes <= max_index_nbytes]
+        if not wanted:
+            return texts
         try:
-            fetched = self.fs.cat(paths, on_error="return")
+            fetched = self.fs.cat_ranges([self.location.path(objects[position][0]) for position in wanted],
+                                         [0] * len(wanted), [objects[position][1] for position in wanted],
+                                         on_error="return")
         except Exception as err:
             raise object_error(self.location.url, err) from None
-        return fetched if isinstance(fetched, dict) else {paths[0]: fetched}
+        for position, data in zip(wanted, fetched):
+            texts[position] = data
+        return texts
 
     def _load_index(self, name: str, object_nbytes: int, text: bytes | BaseException | None) -> ShardIndex:
         index_url = self.location.url_of(shard_stem(name) + INDEX_SUFFIX)
+        if isinstance(text, ShardError):
+            raise text
         if not isinstance(text, bytes):
             raise ShardError(f"reading {index_url} failed: {text!r}")
         index = parse_index(text, PurePosixPath(self.location.path(name)), index_url)  # type: ignore[arg-type]

@@ -359,6 +359,32 @@ def test_a_damaged_record_is_refused_without_holding_two_copies(s3: S3Server, tm
         assert shards.read_record(entry).record_id == "big" and len(list((tmp_path / "cache").iterdir())) == 1
 
 
+def test_an_oversized_index_object_is_refused_unread(s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"s3://{new_bucket(s3, 'big-index')}/p"
+    indexes = cf.write_shards([make_record(f"i-{index}", num_tokens=24, hidden_size=128) for index in range(3)],
+                              tmp_path / "data", records_per_shard=1)
+    fs = s3_filesystem()
+    for index in indexes:
+        fs.pipe_file(f"big-index/p/{index.shard_path.name}", index.shard_path.read_bytes())
+        fs.pipe_file(f"big-index/p/{shard_stem(index.shard_path.name)}.index.json", format_index(index).encode())
+    junk_nbytes = 48 << 20
+    fs.pipe_file("big-index/p/shard-000002.index.json", b"\xff" * junk_nbytes)  # not JSON, and large
+    monkeypatch.setattr(remote_shards, "MAX_INDEX_NBYTES", 1 << 20)
+    monkeypatch.setattr(remote_shards, "INDEX_BATCH_MAX_OBJECTS", 1)  # one index at a time: order still kept
+    tracemalloc.start()
+    try:
+        assert main(["shards", "verify", url]) == 1
+        _, peak_nbytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    output = capsys.readouterr().out
+    assert f"shard-000002.index.json is {junk_nbytes:,} bytes, over the {1 << 20:,} an index may be" in output, output
+    assert "shard-000001.etap: 1/1 records verified, ok" in output and "shard-000003.etap: 1/1" in output
+    assert "3 sealed shards, 0 without an index; 2/2 records verified: FAILED (1 problems)" in output, output
+    assert peak_nbytes < junk_nbytes // 2, peak_nbytes  # the oversized object was never fetched
+
+
 # --- the benchmark ----------------------------------------------------------------------------------
 
 def test_objstore_bench_reads_every_record_from_the_bucket_and_steps(tmp_path: Path) -> None:
