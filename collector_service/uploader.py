@@ -13,7 +13,9 @@ What must hold:
   the shard number taken), and only after that the shard and its index leave the data directory
   (kept with keep_local);
 - a failed upload leaves the shard here and is retried with exponential backoff (with jitter), for
-  as long as it takes; a shard that fails its own checks here is not uploaded and is named in stats;
+  as long as it takes; a shard that fails its own checks here (its index does not load, or its bytes do
+  not match it frame by frame, checked before anything is put) is not uploaded nor retried, and is named
+  with the reason in stats (`refused`, in /v1/stats), which points at `eagle-tap shards repair`;
 - a restart finds every sealed shard without an `uploaded/` index and uploads it again; an object
   already in the store that checks out is not put again, one that does not (a partial or foreign
   object) is replaced. Object names depend only on the collector id and shard number, so a re-upload
@@ -112,42 +114,53 @@ def pending_uploads(data_dir: Path) -> list[Path]:
     return [path for _, path in list_shard_files(data_dir).sealed if index_path_for(path).name not in done]
 
 
-def _local_xxh3_128(path: Path) -> str:
+def _check_frames(file: Any, index: ShardIndex) -> tuple[list[str], str, int]:
+    """(problems, xxh3-128, bytes read) of the shard bytes read from file, checked against index: every frame
+    passes inspect_frame with the header checksum and record id its index lists."""
+    problems: list[str] = []
     digest = xxhash.xxh3_128()
-    with open(path, "rb") as file:
-        while block := file.read(_READ_BLOCK_NBYTES):
-            digest.update(block)
-    return digest.hexdigest()
+    num_read = 0
+    for entry in index.entries:
+        data = file.read(entry.length)
+        digest.update(data)
+        num_read += len(data)
+        try:
+            if len(data) != entry.length:
+                raise ShardError(f"the shard ends {len(data)} bytes into this {entry.length}-byte frame")
+            info = inspect_frame(data)
+            if info.header_xxh3_64 != entry.header_xxh3_64 or info.record_id != entry.record_id:
+                raise ShardError(f"frame holds {info.record_id!r} with header checksum {info.header_xxh3_64}; the "
+                                 f"index lists {entry.record_id!r} with {entry.header_xxh3_64}")
+        except CaptureFormatError as err:
+            problems.append(f"record {entry.record_id!r} at offset {entry.offset}: {err}")
+            if len(data) != entry.length:
+                break
+    while block := file.read(_READ_BLOCK_NBYTES):
+        digest.update(block)
+        num_read += len(block)
+    return problems, digest.hexdigest(), num_read
+
+
+def check_local_shard(shard_path: Path, index: ShardIndex) -> str:
+    """The xxh3-128 of the shard at shard_path; ShardError when it is not what its index describes (damaged
+    here: uploading it would spread the damage, and its copy would never check out)."""
+    with open(shard_path, "rb") as file:
+        problems, local_xxh3_128, num_read = _check_frames(file, index)
+    if num_read != index.shard_nbytes:
+        problems.append(f"it is {num_read} bytes; its index says {index.shard_nbytes}")
+    if problems:
+        raise ShardError(f"{shard_path} does not match its index: {'; '.join(problems)}")
+    return local_xxh3_128
 
 
 def check_object(fs: Any, path: str, index: ShardIndex, local_xxh3_128: str) -> list[str]:
     """What is wrong with the object at path as a copy of the shard index describes (empty: it checks out)."""
-    problems: list[str] = []
-    digest = xxhash.xxh3_128()
-    num_read = 0
     with fs.open(path, "rb", block_size=_READ_BLOCK_NBYTES, cache_type="readahead") as file:
-        for entry in index.entries:
-            data = file.read(entry.length)
-            digest.update(data)
-            num_read += len(data)
-            try:
-                if len(data) != entry.length:
-                    raise ShardError(f"the object ends {len(data)} bytes into this {entry.length}-byte frame")
-                info = inspect_frame(data)
-                if info.header_xxh3_64 != entry.header_xxh3_64 or info.record_id != entry.record_id:
-                    raise ShardError(f"frame holds {info.record_id!r} with header checksum {info.header_xxh3_64}; the "
-                                     f"index lists {entry.record_id!r} with {entry.header_xxh3_64}")
-            except CaptureFormatError as err:
-                problems.append(f"record {entry.record_id!r} at offset {entry.offset}: {err}")
-                if len(data) != entry.length:
-                    break
-        while block := file.read(_READ_BLOCK_NBYTES):
-            digest.update(block)
-            num_read += len(block)
+        problems, object_xxh3_128, num_read = _check_frames(file, index)
     if num_read != index.shard_nbytes:
         problems.append(f"the object is {num_read} bytes; the shard is {index.shard_nbytes}")
-    elif digest.hexdigest() != local_xxh3_128:
-        problems.append(f"the object hashes to {digest.hexdigest()}; the local shard to {local_xxh3_128}")
+    elif object_xxh3_128 != local_xxh3_128:
+        problems.append(f"the object hashes to {object_xxh3_128}; the local shard to {local_xxh3_128}")
     return problems
 
 
@@ -251,7 +264,8 @@ class Uploader:
             try:
                 self._upload(item.shard_path)
             except ShardError as err:  # the local shard itself is damaged: uploading it would spread the damage
-                self._refused[item.shard_path.name] = str(err)
+                self._refused[item.shard_path.name] = (f"{err}; not uploaded, not retried: stop the collector and run "
+                                                        f"`eagle-tap shards repair {self.data_dir}`")
                 log.error("not uploading %s: %s (`eagle-tap shards repair` rebuilds its index)", item.shard_path, err)
             except Exception as err:  # the store failed or the copy did not check out: try again later
                 item.num_attempts += 1
@@ -276,7 +290,7 @@ class Uploader:
         index = load_index(shard_path)
         if shard_path.stat().st_size != index.shard_nbytes:
             raise ShardError(f"{shard_path} is {shard_path.stat().st_size} bytes; its index says {index.shard_nbytes}")
-        local_xxh3_128 = _local_xxh3_128(shard_path)
+        local_xxh3_128 = check_local_shard(shard_path, index)
         name = self.object_name(shard_path)
         object_path = self.target.path(name)
         existing = _object_size(fs, object_path)

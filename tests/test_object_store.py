@@ -240,6 +240,29 @@ def test_partial_or_altered_objects_are_refused_by_readers_and_replaced(s3: S3Se
     assert record_ids_in(url) == Counter(record.record_id for record in records)
 
 
+def test_a_shard_damaged_here_is_refused_before_upload_and_named_in_stats(s3: S3Server, tmp_path: Path) -> None:
+    url = f"s3://{new_bucket(s3, 'damaged-here')}/p"
+    data_dir = tmp_path / "data"
+    records = [make_record(f"d-{index}", num_tokens=24, hidden_size=128) for index in range(6)]
+    indexes = cf.write_shards(records, data_dir, records_per_shard=2)
+    damaged_path = indexes[1].shard_path
+    data = bytearray(damaged_path.read_bytes())
+    data[-10] ^= 0x40  # inside the last frame's payload: same size, its index still loads
+    damaged_path.write_bytes(bytes(data))
+    with ThreadedCollector(data_dir=data_dir, upload_to=url, collector_id="dh", upload_retry_initial_s=0.05,
+                           upload_retry_max_s=0.1) as collector:
+        wait_for(lambda: collector.stats()["upload"]["num_uploaded"] == 2, "the good shards to be uploaded")
+        time.sleep(0.3)  # time for retries, were there any
+        upload = collector.client.get("/v1/stats").json()["upload"]
+    (reason,) = upload["refused"].values()
+    assert list(upload["refused"]) == [damaged_path.name], upload
+    assert "does not match its index" in reason and "record 'd-3'" in reason and "eagle-tap shards repair" in reason
+    assert upload["num_failed_attempts"] == 0 and upload["num_pending"] == 0, upload
+    assert sorted(objects_under(url)) == ["shard-dh-000001.etap", "shard-dh-000001.index.json",
+                                          "shard-dh-000003.etap", "shard-dh-000003.index.json"]  # nothing of it put
+    assert damaged_path.read_bytes() == bytes(data)  # left here for repair
+
+
 # --- readers: verify, stats, vocab, train, ranks ----------------------------------------------------
 
 @pytest.fixture(scope="module")
