@@ -111,6 +111,31 @@ def test_promotion_supersedes_and_events_are_numbered_in_order(tmp_path):
         assert [e["version"] for e in events[-2:]] == ["v0001", "v0002"]
 
 
+def test_a_restarted_loop_takes_up_an_undecided_promotion_and_drops_a_decided_one(tmp_path):
+    """The two writes that end a promotion (the version's state, then `pending` cleared) and the two that start
+    it (`pending`, then the state) can each be cut in between by a kill."""
+    config = LoopConfig(registry=str(tmp_path / "registry"), shards=str(tmp_path / "shards"), target="t",
+                        draft_config="d", vocab="v", work_dir=str(tmp_path / "work"))
+    with Registry(config.registry) as registry:
+        for name in "abc":
+            registry.add_version(fake_draft(tmp_path / name, name.encode()), parent=None, made={})
+        registry.set_version_state("v0001", "promoted", "first")
+        registry.set_version_state("v0002", "rolled_back", "failed on the canary")
+        # Stopped after v0002's decision, before pending was cleared:
+        registry.update_state(lambda doc: doc.__setitem__("pending", {"to": "v0002", "from": "v0001", "at": 0}))
+    with Loop(config, log_line=lambda line: None) as loop:
+        state = loop.registry.state()
+    assert state["pending"] is None and state["versions"]["v0002"]["state"] == "rolled_back"
+    assert state["versions"]["v0003"]["state"] == "abandoned" and state["promoted"] == "v0001"
+    with Registry(config.registry) as registry:
+        registry.add_version(fake_draft(tmp_path / "d", b"d"), parent="v0001", made={})
+        # Stopped after pending was set, before the version's state said promoting:
+        registry.update_state(lambda doc: doc.__setitem__("pending", {"to": "v0004", "from": "v0001", "at": 0}))
+    with Loop(config, log_line=lambda line: None) as loop:  # no replica: the promotion stays pending, not abandoned
+        state = loop.registry.state()
+    assert state["versions"]["v0004"]["state"] == "promoting" and state["pending"]["to"] == "v0004"
+
+
 def test_loop_status_prints_plots_and_refuses_a_missing_folder(tmp_path, capsys):
     root = tmp_path / "registry"
     with Registry(root) as registry:

@@ -147,15 +147,27 @@ class Loop:
 
     def recover(self) -> None:
         """After a stop at any point: candidates without a decision are abandoned; a promotion is taken up again."""
+        pending = self.pending_promotion()
         state = self.registry.state()
         for name in self.registry.version_names():
             entry = state["versions"].get(name)
-            if entry is None or entry["state"] == "candidate":
+            if name != pending and (entry is None or entry["state"] == "candidate"):
                 self.registry.set_version_state(name, "abandoned", "the loop stopped before its gate decided")
-        pending = state.get("pending")
         if pending:
-            self.say(f"taking up the promotion of {pending['to']} that a stopped loop left unfinished")
-            self.promote(pending["to"])
+            self.say(f"taking up the promotion of {pending} that a stopped loop left unfinished")
+            self.promote(pending)
+
+    def pending_promotion(self) -> str | None:
+        """The version a promotion in progress puts in; a pending entry whose decision was already written (the
+        loop stopped between the two writes) is cleared."""
+        state = self.registry.state()
+        pending = state.get("pending")
+        if not pending:
+            return None
+        if (state["versions"].get(pending["to"]) or {}).get("state") in ("candidate", "promoting"):
+            return pending["to"]
+        self.registry.update_state(lambda doc: doc.__setitem__("pending", None))
+        return None
 
     # ---------------------------------------------------------------------------------------------- tick
     def tick(self) -> dict[str, Any]:
@@ -164,9 +176,9 @@ class Loop:
         report: dict[str, Any] = {"replicas": self.bring_up_to_date()}
         from eagle_tap.loop import rounds, watch
 
-        pending = self.registry.state().get("pending")
+        pending = self.pending_promotion()
         if pending:  # a promotion that found no replica answering: try again before any new round
-            report["promotion"] = self.promote(pending["to"])
+            report["promotion"] = self.promote(pending)
             if self.registry.state().get("pending"):
                 report["window"] = watch.record_window(self)
                 return report
