@@ -27,19 +27,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import re
 import shutil
 import socket
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from capture_format.files import write_file_atomically
 from capture_format.object_store import is_remote, parse_location
+from trainer.run_folder import sha256_file
 
 VERSION_FILE = "version.json"
 STATE_FILE = "state.json"
@@ -64,14 +64,6 @@ class RegistryLocked(RegistryError):
 
 def version_name(number: int) -> str:
     return f"v{number:04d}"
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class _Store:
@@ -110,17 +102,7 @@ class _Store:
             return
         path = self.root / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(file.name, path)
-        with contextlib.suppress(OSError):  # the rename itself made durable
-            descriptor = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(descriptor)
-            finally:
-                os.close(descriptor)
+        write_file_atomically(path, data)
 
     def put_file(self, local: Path, name: str) -> None:
         if self.remote:
@@ -179,7 +161,6 @@ class Registry:
             Path(os.environ.get("EAGLE_TAP_CACHE_DIR", Path.home() / ".cache" / "eagle-tap")) / "registry"
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache
         self._lock_file: Any = None
-        self._lease_s = 0.0
 
     # ----------------------------------------------------------------------------------------------- lock
     def lock(self, *, lease_s: float = 120.0) -> None:
@@ -215,7 +196,6 @@ class Registry:
             if json.loads(self.store.read(LOCK_FILE) or b"{}").get("token") != owner["token"]:
                 raise RegistryLocked(f"another loop took {self.url} at the same moment")
             self._lock_file = owner
-            self._lease_s = lease_s
         self.remove_partial_versions()
 
     def renew(self) -> None:
@@ -399,10 +379,11 @@ class Registry:
         infos = [self.read_round(name) for name in self.round_names()]
         return [info for info in infos if info.get("version") not in abandoned]
 
-    def used_record_ids(self) -> set[str]:
-        """Every record a finished round trained on or held out: the records that are no longer new."""
+    def used_record_ids(self, rounds: list[dict[str, Any]] | None = None) -> set[str]:
+        """Every record a finished round trained on or held out: the records that are no longer new. rounds: what
+        counted_rounds() returned, when the caller has it already."""
         used: set[str] = set()
-        for info in self.counted_rounds():
+        for info in self.counted_rounds() if rounds is None else rounds:
             used.update(info.get("new_record_ids", ()))
             used.update(info.get("heldout_record_ids", ()))
         return used
