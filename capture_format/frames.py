@@ -24,6 +24,7 @@ What must hold:
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 
@@ -230,6 +231,13 @@ def check_header(prefix: FramePrefix, prefix_bytes: bytes | memoryview, header_b
         frame_nbytes=prefix.frame_nbytes,
         header_xxh3_64=actual_checksum,
     )
+
+
+def read_frame_header(fd: int, offset: int) -> tuple[FramePrefix, FrameInfo]:
+    """The parsed prefix and checked header of the frame at offset in an open file; no payload byte is read."""
+    head = os.pread(fd, FRAME_PREFIX_NBYTES, offset)
+    prefix = parse_frame_prefix(head)
+    return prefix, check_header(prefix, head, os.pread(fd, prefix.header_nbytes, offset + FRAME_PREFIX_NBYTES))
 
 
 def _stored_bytes(view: memoryview, info: FrameInfo, tensor: TensorInfo) -> memoryview:

@@ -16,7 +16,7 @@ from capture_format.codec_base import ErrorSums
 from capture_format.codecs import get_codec
 from capture_format.errors import CaptureFormatError
 from capture_format.frame_header import FrameInfo
-from capture_format.frames import FRAME_PREFIX_NBYTES, check_header, codec_for_states, parse_frame_prefix
+from capture_format.frames import FRAME_PREFIX_NBYTES, codec_for_states, read_frame_header
 from capture_format.shard_index import IndexEntry, ShardIndex
 from capture_format.shard_reader import ShardDirectory
 from capture_format.shards import write_shards
@@ -45,10 +45,7 @@ class CodecTally:
 
 
 def _read_entry(fd: int, entry: IndexEntry, tallies: dict[str, CodecTally]) -> FrameInfo:
-    head = os.pread(fd, FRAME_PREFIX_NBYTES, entry.offset)
-    prefix = parse_frame_prefix(head)
-    header = os.pread(fd, prefix.header_nbytes, entry.offset + FRAME_PREFIX_NBYTES)
-    info = check_header(prefix, head, header)
+    prefix, info = read_frame_header(fd, entry.offset)
     payload_start = entry.offset + FRAME_PREFIX_NBYTES + prefix.header_nbytes
     for tensor in info.tensors[1:]:  # token ids are always raw
         codec = get_codec(tensor.codec)

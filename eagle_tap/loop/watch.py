@@ -12,6 +12,7 @@ Windows are by arrival (the tick that first saw a record), not by capture time: 
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -28,16 +29,13 @@ def record_metadata(shards: str, entries: list[Any]) -> list[dict[str, Any]]:
     if cf.is_remote(shards):
         with cf.open_shard_directory(shards, skip_damaged=True) as directory:
             return [directory.read_stored_record(entry).metadata for entry in entries]
-    from capture_format.frames import FRAME_PREFIX_NBYTES, check_header, parse_frame_prefix
+    from capture_format.frames import read_frame_header
 
     out = []
-    for entry in entries:
-        fd = os.open(entry.shard_path, os.O_RDONLY | os.O_CLOEXEC)
+    for shard_path, in_shard in itertools.groupby(entries, key=lambda entry: entry.shard_path):  # one open a shard
+        fd = os.open(shard_path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            head = os.pread(fd, FRAME_PREFIX_NBYTES, entry.offset)
-            prefix = parse_frame_prefix(head)
-            header = os.pread(fd, prefix.header_nbytes, entry.offset + FRAME_PREFIX_NBYTES)
-            out.append(check_header(prefix, head, header).metadata)
+            out += [read_frame_header(fd, entry.offset)[1].metadata for entry in in_shard]
         finally:
             os.close(fd)
     return out
