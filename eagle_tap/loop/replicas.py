@@ -160,12 +160,13 @@ def prepare_swap(url: str, version_dir: Path, *, reference_dir: Path | None) -> 
     return replica, launched if (launched / "config.json").is_file() else reference_dir
 
 
-def swap_in(url: str, version_dir: Path, *, reference_dir: Path | None) -> tuple[SwapResult, float]:
-    """Check, then swap the draft in version_dir into url; (SGLang's result, wall seconds of the swap)."""
-    _, serving_dir = prepare_swap(url, version_dir, reference_dir=reference_dir)
+def swap_in(url: str, version_dir: Path, *, reference_dir: Path | None) -> tuple[Serving, SwapResult, float]:
+    """Check, then swap the draft in version_dir into url; (what the replica serves, SGLang's result, wall seconds
+    of the swap)."""
+    replica, serving_dir = prepare_swap(url, version_dir, reference_dir=reference_dir)
     started = time.perf_counter()
     result = swap_draft(url, version_dir, serving_dir=serving_dir)
-    return result, time.perf_counter() - started
+    return replica, result, time.perf_counter() - started
 
 
 def draft_checksum(url: str) -> str:

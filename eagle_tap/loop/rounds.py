@@ -48,10 +48,12 @@ def shard_entries(shards: str) -> list[Any]:
         return list(directory.iter_index())
 
 
-def new_records(loop: Loop) -> list[Any]:
-    used = loop.registry.used_record_ids()
+def new_records(loop: Loop, entries: list[Any] | None = None, rounds: list[dict[str, Any]] | None = None) -> list[Any]:
+    """The entries (default: the shard set's) that no counted round used (rounds: counted_rounds(), if at hand)."""
+    used = loop.registry.used_record_ids(rounds)
     now = time.time()
-    entries = [entry for entry in shard_entries(loop.config.shards) if entry.record_id not in used]
+    entries = [entry for entry in (shard_entries(loop.config.shards) if entries is None else entries)
+               if entry.record_id not in used]
     for entry in entries:
         loop.first_seen.setdefault(entry.record_id, now)
     return entries
@@ -167,11 +169,12 @@ def gate(loop: Loop, new: dict[str, dict[str, Any]], regression: dict[str, dict[
 def maybe_run_round(loop: Loop) -> dict[str, Any] | None:
     """Runs a round when one is due (module docstring); None when not."""
     config = loop.config
-    entries = new_records(loop)
+    registry = loop.registry
+    stored, counted = shard_entries(config.shards), registry.counted_rounds()  # read once per tick
+    entries = new_records(loop, stored, counted)
     reason = due(loop, entries)
     if reason is None:
         return None
-    registry = loop.registry
     state = registry.state()
     serving = state["promoted"]
     if serving is None:
@@ -187,8 +190,8 @@ def maybe_run_round(loop: Loop) -> dict[str, Any] | None:
     twins = [entry for entry in fresh if entry.ids_xxh3_64 in heldout_sequences]
     fresh = [entry for entry in fresh if entry.ids_xxh3_64 not in heldout_sequences]
     new_ids, heldout_ids = [entry.record_id for entry in fresh], [entry.record_id for entry in heldout]
-    available = {entry.record_id for entry in shard_entries(config.shards) if entry.ids_xxh3_64 not in heldout_sequences}
-    older = sorted(record_id for earlier in registry.counted_rounds()  # an abandoned round's records are new again
+    available = {entry.record_id for entry in stored if entry.ids_xxh3_64 not in heldout_sequences}
+    older = sorted(record_id for earlier in counted  # an abandoned round's records are new again
                    for record_id in earlier.get("new_record_ids", ()) if record_id in available)
     rng = random.Random(config.seed * 1_000_003 + number)
     replay_ids = rng.sample(older, min(len(older), round(config.replay_ratio * len(new_ids))))
@@ -217,9 +220,8 @@ def maybe_run_round(loop: Loop) -> dict[str, Any] | None:
     for label, folder in (("candidate", candidate_dir), ("serving", serving_dir)):
         evaluation["heldout"][label] = evaluate_draft(loop, folder, config.shards, heldout_ids)
     if config.regression_shards:
-        evaluation["regression"] = {label: evaluate_draft(loop, folder, config.regression_shards,
-                                                          [entry.record_id for entry in
-                                                           shard_entries(config.regression_shards)])
+        regression_ids = [entry.record_id for entry in shard_entries(config.regression_shards)]
+        evaluation["regression"] = {label: evaluate_draft(loop, folder, config.regression_shards, regression_ids)
                                     for label, folder in (("candidate", candidate_dir), ("serving", serving_dir))}
     passed, why = gate(loop, evaluation["heldout"], evaluation["regression"])
     evaluation["gate"] = {"passed": passed, "why": why, "margin": config.gate_margin,

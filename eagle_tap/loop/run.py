@@ -109,6 +109,11 @@ class LoopConfig:
     """Seeds the replay draw, the data order and the draft's initialisation."""
 
 
+def recorded_checksum(state: dict[str, Any], version: str, weights_key: str) -> str | None:
+    """SGLang's draft checksum of version on a replica of weights_key (dtype/TP), once a verified swap recorded it."""
+    return (state.get("checksums", {}).get(version) or {}).get(weights_key)
+
+
 class Loop:
     """One loop on one registry (holds its lock while open)."""
 
@@ -280,7 +285,7 @@ class Loop:
                 back = {"result": f"could not roll back: {type(again).__name__}: {again}"[:500]}
             return {"result": "rolled back", "why": why, "rollback": back}
         wall_s = time.perf_counter() - started
-        known = (state.get("checksums", {}).get(version) or {}).get(replica.weights_key)
+        known = recorded_checksum(state, version, replica.weights_key)
         probe = info.get("probe") or {}
         verification = rep.verify(url, result, known_checksum=known, probe_prompts=self.probe_prompts(),
                                   probe_max_new_tokens=self.config.probe_max_new_tokens,
@@ -309,9 +314,8 @@ class Loop:
             return {"result": "no previous version to return to"}
         state = self.registry.state()
         version_dir = self.registry.local_copy(previous)
-        result, wall_s = rep.swap_in(url, version_dir, reference_dir=version_dir)
-        replica = rep.serving(url)
-        expected = (state.get("checksums", {}).get(previous) or {}).get(replica.weights_key)
+        replica, result, wall_s = rep.swap_in(url, version_dir, reference_dir=version_dir)
+        expected = recorded_checksum(state, previous, replica.weights_key)
         restored = expected is None or result.draft_checksum_after == expected
         self._set_replica(url, version=previous, draft_checksum=result.draft_checksum_after,
                           weights_key=replica.weights_key, failed_version=failed, why=why)
