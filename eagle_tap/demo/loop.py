@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from eagle_tap.demo import CONVERSATIONS_PATH
-from eagle_tap.demo.run import (_fire, _stop_collector, descendants, prepare_out_dir, still_running, user_questions,
-                                verify_target)
+from eagle_tap.demo.run import (_fire, _start_collector, _stop_collector, descendants, prepare_out_dir, still_running,
+                                user_questions, verify_target)
+from eagle_tap.loop.rounds import shard_entries
 
 __all__ = ["LoopDemoConfig", "run_loop_demo"]
 
@@ -124,13 +125,9 @@ def _frequency_file(config: LoopDemoConfig, out: Path) -> Path:
     return path
 
 
-def _collector(stack: contextlib.ExitStack, data_dir: Path, port: int, token: str, logs: Path):
-    from eagle_tap.collector_process import CollectorProcess
-
-    collector = CollectorProcess(data_dir, port=port, env={"EAGLE_TAP_COLLECTOR_TOKEN": token},
-                                 extra_args=("--seal-after-s", "3"), log_path=logs / "collector.log")
-    stack.callback(collector.stop)
-    return collector
+def _collector(stack: contextlib.ExitStack, data_dir: Path, port: int, token: str):
+    """The demo's collector, sealing shards every 3 s: the loop reads only sealed shards."""
+    return _start_collector(stack, data_dir, port, token, extra_args=("--seal-after-s", "3"))
 
 
 def capture(config: LoopDemoConfig, out: Path, parts: dict[str, Path], token: str, port: int) -> dict[str, Any]:
@@ -150,7 +147,7 @@ def capture(config: LoopDemoConfig, out: Path, parts: dict[str, Path], token: st
                                                                log_path=logs / "sglang-capture.log")))
         for shards, part, temperature in (("traffic", "old_train", 0.7), ("old-heldout", "old_heldout", 0.0),
                                           ("new-heldout", "new_heldout", 0.0)):
-            collector = _collector(stack, out / "captures" / shards, port, token, logs)
+            collector = _collector(stack, out / "captures" / shards, port, token)
             print(f"firing {parts[part].name} (temperature {temperature}) -> captures/{shards}", flush=True)
             result[part] = _fire(fire_config, server.url, collector.url, token, parts[part],
                                  out / "runs" / f"fire-{part}", temperature)
@@ -250,7 +247,7 @@ def run_loop_demo(config: LoopDemoConfig) -> dict[str, Any]:
     first_draft = Path(summary["first_draft"]["export"])
     with contextlib.ExitStack() as stack:
         stage("replicas")
-        collector = _collector(stack, out / "captures" / "traffic", port, token, logs)
+        collector = _collector(stack, out / "captures" / "traffic", port, token)
         speculative = SpeculativeConfig(draft_dir=first_draft, num_steps=config.served_steps)
         urls = []
         for name in ("a", "b"):
@@ -265,7 +262,7 @@ def run_loop_demo(config: LoopDemoConfig) -> dict[str, Any]:
         done("replicas")
         stage("loop")
         loop = stack.enter_context(Loop(loop_config, log_line=lambda line: print(line, flush=True)))
-        trained_on = [entry.record_id for entry in _entries(out / "captures" / "traffic")]
+        trained_on = [entry.record_id for entry in shard_entries(str(out / "captures" / "traffic"))]
         loop.init(first_draft, trained_on=trained_on)
         questions = user_questions(parts["new_train"])
         traffic = [ServingTraffic(url, questions, concurrency=config.clients_per_replica,
@@ -316,12 +313,6 @@ def run_loop_demo(config: LoopDemoConfig) -> dict[str, Any]:
     return summary
 
 
-def _entries(shards: Path) -> list[Any]:
-    from eagle_tap.loop.rounds import shard_entries
-
-    return shard_entries(str(shards))
-
-
 def _round_summary(loop, item: dict[str, Any]) -> dict[str, Any]:
     info = loop.registry.read_round(item["round"])
     evaluation = info.get("evaluation") or {}
@@ -362,7 +353,7 @@ def from_scratch(config: LoopDemoConfig, out: Path, loop) -> dict[str, Any]:
     result: dict[str, Any] = {"records": len(record_ids), "steps": steps}
     for domain in ("old", "new"):
         shards = str(out / "captures" / f"{domain}-heldout")
-        ids = [entry.record_id for entry in _entries(Path(shards))]
+        ids = [entry.record_id for entry in shard_entries(shards)]
         result[domain] = {
             label: evaluate_draft(loop, folder_, shards, ids, served_max_new_tokens=config.served_max_new_tokens)[
                 "served_walk"] for label, folder_ in (("promoted", promoted), ("from_scratch", folder))}

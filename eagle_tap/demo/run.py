@@ -242,11 +242,13 @@ def capture(config: Config, out: Path, train_data: Path, heldout_data: Path) -> 
     return result
 
 
-def _start_collector(stack: contextlib.ExitStack, data_dir: Path, port: int, token: str):
+def _start_collector(stack: contextlib.ExitStack, data_dir: Path, port: int, token: str,
+                     extra_args: tuple[str, ...] = ()):
+    """A collector writing out_dir/captures/<name> (data_dir), logging to out_dir/logs, stopped by the stack."""
     from eagle_tap.collector_process import CollectorProcess
 
     # The token goes through the environment: a --token flag would show in the process list.
-    collector = CollectorProcess(data_dir, port=port, env={"EAGLE_TAP_COLLECTOR_TOKEN": token},
+    collector = CollectorProcess(data_dir, port=port, env={"EAGLE_TAP_COLLECTOR_TOKEN": token}, extra_args=extra_args,
                                  log_path=data_dir.parent.parent / "logs" / "collector.log")
     stack.callback(collector.stop)
     return collector
