@@ -175,6 +175,7 @@ class CaptureAssembler:
         self._stats = stats
         self._part_max_tokens = part_max_tokens
         self._part_max_bytes = part_max_bytes
+        self._most_rows_held = 0
         self._served_draft = served_draft or (lambda: None)
         """(draft identity, how it drafts) on a replica that serves a draft; None on one without."""
         self._copier = copier or HostCopier()
@@ -340,6 +341,9 @@ class CaptureAssembler:
         """Hands the held rows to the sender in parts while more than one part's rows are held (the newest
         rows stay: the record that closes the capture holds at least one). False when the capture was
         dropped (the sender had no room for a part)."""
+        if partial.num_rows > self._most_rows_held:  # a gauge: the most rows one capture held at once
+            self._most_rows_held = partial.num_rows
+            self._stats.set("most_rows_held", partial.num_rows)
         # A generate capture keeps one row more: the overlap scheduler may run a step past its last token.
         spare = 1 + (partial.tag.mode == "generate")
         if not partial.chunks or partial.num_rows < self._part_rows(partial) + spare:
