@@ -31,18 +31,13 @@ from capture_format.shard_index import (
     load_index,
     shard_stem,
 )
-from capture_format.token_ids import RecordTokens, read_token_ids
+from capture_format.token_ids import RecordTokens, check_entry_fields, read_token_ids
 
 if TYPE_CHECKING:
     from capture_format.remote_shards import RemoteShardDirectory
 
 __all__ = ["DamagedShard", "ShardDirectory", "VerifyReport", "check_record_bytes", "open_shard_directory",
            "verify_shard"]
-
-_CROSS_CHECKED = ("record_id", "sample_id", "num_tokens", "ids_xxh3_64", "model_fingerprint", "capture_layers",
-                  "hidden_size", "dtype")
-"""Index fields a reader compares with the frame's own header: an index that lies about any is caught."""
-
 
 def _read_record(fd: int, entry: IndexEntry) -> CaptureRecord:
     return check_record_bytes(os.pread(fd, entry.length, entry.offset), entry, str(entry.shard_path))
@@ -61,9 +56,7 @@ def check_record_bytes(data: bytes | memoryview, entry: IndexEntry, shard_name: 
                 f"frame header checksum {prefix.header_xxh3_64} differs from the index's {entry.header_xxh3_64}"
             )
         info = inspect_frame_header(data)
-        for name in _CROSS_CHECKED:
-            if getattr(info, name) != getattr(entry, name):
-                raise FrameError(f"frame has {name} {getattr(info, name)!r}; the index says {getattr(entry, name)!r}")
+        check_entry_fields(info, entry)
         record = decode_frame(data)
     except ChecksumError as err:
         raise ChecksumError(f"{where}: {err}") from None
