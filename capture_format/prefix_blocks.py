@@ -119,7 +119,9 @@ def is_prefix_block(record_id: str) -> bool:
 
 class BlockCache:
     """Decoded prefix blocks, least recently used dropped past max_bytes: one system prompt's blocks are
-    read once for the thousands of records that share them. Thread-safe."""
+    read once for the thousands of records that share them. It counts blocks, so a long record's parts
+    come and go one by one; a block larger than max_bytes is not kept (it would evict all the rest).
+    Thread-safe."""
 
     def __init__(self, max_bytes: int = 256 << 20) -> None:
         self.max_bytes = max_bytes
