@@ -20,9 +20,10 @@ record ids) and the plugin, which remembers which blocks it already sent, sends 
 References. A record (or block) whose first P tokens' states lie in the block ending at P says so with
 `states_prefix = StatesPrefix(prefix_key(ids[:P]), P)` and holds the states of tokens P.. only.
 
-Long records. A capture too long to hold in one frame is stored the same way: a chain of blocks
-("parts", metadata `{"kind": "prefix_block", "capture_part": {"record_id": ..., "index": i}}`) and a
-closing record holding the last rows. Readers do not tell parts from shared-prefix blocks.
+Long records. A capture too long to decode whole (64K tokens at hidden size 7168 are gigabytes) is
+stored the same way: a chain of blocks ("parts", metadata `{"kind": "prefix_block", "capture_part":
+{"record_id": ..., "index": i}}`) and a closing record holding the last rows. Readers do not tell parts
+from shared-prefix blocks.
 
 The chain (`walk_chain`), which every reader follows before handing out a record or a window of one
 (`resolve_prefix` joins every block's rows, `record_windows.py` only those a window needs). It works on
@@ -32,7 +33,8 @@ The chain (`walk_chain`), which every reader follows before handing out a record
   token ids, they are the record's first P ids (compared by their xxh3_64, which a frame header
   carries and every decode checks), it holds the states of exactly its own tokens, and it has the same
   model fingerprint, capture layers, hidden size and dtype: a resolved record is never wrong by
-  accident, whatever the shards hold (the checks hash the record's ids once, O(T) however long its chain);
+  accident, whatever the shards hold (on frame headers the checks hash the record's ids once: O(T)
+  however long its chain);
 - a block that is missing (never stored, in a shard not read, a damaged shard) or fails a check makes
   the referring record unreadable: `DanglingPrefixError`, which readers count and skip like any other
   unreadable record;

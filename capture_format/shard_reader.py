@@ -304,7 +304,8 @@ def verify_shard(path: Path | str) -> VerifyReport:
 def open_shard_directory(location: str | os.PathLike[str], *, skip_damaged: bool = False,
                          cache: RecordCache | None = None) -> ShardDirectory | RemoteShardDirectory:
     """The sealed shards of a local folder or of an s3://bucket/prefix (capture_format.remote_shards),
-    read alike: `shards`, `damaged`, `iter_index`, `read_record`, `read_token_ids`, `prefetch`."""
+    read alike: `shards`, `damaged`, `iter_index`, `read_record`, `read_window`, `read_layout`,
+    `read_token_ids`, `prefetch`."""
     if is_remote(location):
         from capture_format.remote_shards import RemoteShardDirectory
 
