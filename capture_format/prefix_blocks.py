@@ -197,7 +197,8 @@ def _ids_digests(token_ids: np.ndarray, lengths: Sequence[int]) -> list[str]:
 
 
 def _where(record: ChainLink, reference: StatesPrefix) -> str:
-    return f"record {record.record_id}: its shared prefix of {reference.num_tokens} tokens ({block_record_id(reference.key)})"
+    block_id = block_record_id(reference.key)
+    return f"record {record.record_id}: its shared prefix of {reference.num_tokens} tokens ({block_id})"
 
 
 def _check_link(block: ChainLink | None, reference: StatesPrefix, record: ChainLink) -> ChainLink:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import capture_format as cf
-from capture_format import shard_reader
+from capture_format import remote_shards, shard_reader
 from capture_format.object_store import RecordCache, s3_filesystem
 from capture_format.prefix_blocks import BLOCK_KIND, BlockCache, DanglingPrefixError, prefix_key, states_namespace
 from capture_format.remote_shards import RemoteShardDirectory
@@ -42,8 +42,8 @@ def long_record(record_id: str, ids: np.ndarray, ends: tuple[int, ...], hidden: 
                   dtype="bfloat16")
     blocks = []
     for index, (first, end) in enumerate(zip((0, *ends), ends[:-1])):
-        metadata = {"kind": BLOCK_KIND} if index == 0 else {"kind": BLOCK_KIND,
-                                                            "capture_part": {"record_id": record_id, "index": index - 1}}
+        part = {"capture_part": {"record_id": record_id, "index": index - 1}} if index else {}
+        metadata = {"kind": BLOCK_KIND, **part}
         blocks.append(cf.CaptureRecord(
             record_id=cf.block_record_id(prefix_key(ids[:end], space)), token_ids=ids[:end], loss_spans=(),
             aux=aux[first:end], final=final[first:end], metadata=metadata,
@@ -213,10 +213,13 @@ def bucket(shard_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         server.stop()
 
 
-def test_windows_from_an_object_store_equal_the_local_ones_and_fetch_only_their_parts(bucket: str,
-                                                                                      tmp_path: Path) -> None:
-    with RemoteShardDirectory(bucket, cache=RecordCache(tmp_path / "all")) as shards:
-        check_windows(shards, [(0, 1), (128, 129), (0, 129), (15, 101), (46, 48), (99, 101), (50, 60)])
+def test_windows_from_an_object_store_equal_the_local_ones_and_fetch_only_their_parts(
+        bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for start_nbytes in (remote_shards.FRAME_START_NBYTES, 100):  # 100: headers and ids take a second GET
+        monkeypatch.setattr(remote_shards, "FRAME_START_NBYTES", start_nbytes)
+        with RemoteShardDirectory(bucket, cache=RecordCache(tmp_path / f"all-{start_nbytes}")) as shards:
+            check_windows(shards, [(0, 1), (128, 129), (0, 129), (15, 101), (46, 48), (99, 101), (50, 60)])
+    monkeypatch.undo()
     with RemoteShardDirectory(bucket, cache=RecordCache(tmp_path / "one")) as shards:
         entry = entry_of(shards, "long")
         window = shards.read_window(entry, 50, 60)  # inside the part [47, 90)
