@@ -118,6 +118,9 @@ def test_a_resent_part_is_kept_once_and_the_record_is_stored_once(collector) -> 
     stats = collector.stats()
     assert stats["parts"]["parts_staged"] == 2 and stats["parts"]["captures_closed"] == 1
     assert stats["num_records"] == 3 and stats["parts"]["open_captures"] == 0
+    metrics = collector.client.get("/metrics").text
+    assert "eagle_tap_collector_part_captures_closed_total 1.0" in metrics
+    assert "eagle_tap_collector_part_captures_open 0.0" in metrics
 
 
 def test_a_record_missing_a_part_is_refused_and_unclosed_parts_expire(collector, tmp_path) -> None:
