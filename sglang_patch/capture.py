@@ -22,11 +22,21 @@ states for all but the last token (no forward ran on it). A retracted request (i
 memory pressure) is prefilled again later over prompt + tokens so far; the rows it already has are
 kept and only rows past them are taken from the new prefill.
 
+A long capture is sent in parts (`capture_format.parts`): once a capture holds more rows than a part
+(`part_max_tokens`, `part_max_bytes`), the oldest part's rows go to the sender as a part of their own,
+and in prefix mode each of the plan's blocks goes as soon as its rows are held; the record that ends
+the capture refers to the last of them and holds only the rows after it. A retracted request keeps
+what it sent: its new prefill's rows before the first row still held are not taken again.
+
 What must hold:
 - a record holds exactly the rows of its own request, for every token of the sequence (but the
-  last, in generate mode), in order; anything else (a first chunk with a cached prefix, a gap, a
-  chunk that never comes, an aborted request, a row count that disagrees with the tokens at the
-  end) drops the capture with a counted reason and never emits it;
+  last, in generate mode), in order, with the parts sent before it; anything else (a first chunk with
+  a cached prefix, a gap, a chunk that never comes, an aborted request, a row count that disagrees
+  with the tokens at the end) drops the capture with a counted reason and never emits its record
+  (parts already sent are then never closed: the collector removes them after its part timeout);
+- a capture holds at most one part's rows plus one forward's (`most_rows_held` in the stats); parts
+  are cut only within the tokens the request already has, and never take its newest row (nor, in
+  generate mode, the one before: the overlap scheduler may run a step past the last token);
 - the only work done here is copying the captured rows off the device, once per forward for all
   captured requests (`device_copy.py`: never waits for the device on CUDA); compression and I/O
   happen in the sender thread;

@@ -11,7 +11,10 @@ What must hold:
   behind it;
 - a frame the collector rejects as bad (4xx) is dropped and counted, not retried forever;
 - re-sending is safe: the collector acknowledges a record id it already has as a duplicate;
-- a capture's host buffers are released once its frame is encoded (or it is dropped).
+- a capture's host buffers are released once its frame is encoded (or it is dropped);
+- the parts of a capture sent in parts are encoded in order, and its record carries the digest of exactly
+  the part frames encoded for it (`capture_format.parts`); a record whose parts were not all encoded here
+  is dropped and counted (`part_lost`), never sent to close parts it does not have.
 """
 
 from __future__ import annotations
