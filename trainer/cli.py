@@ -187,7 +187,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                             "required for an exported draft)")
     evaluation.add_argument("--max-records", type=int, help="evaluate at most about this many records")
     evaluation.add_argument("--batch-size", type=int, default=8, help="records per batch")
-    evaluation.add_argument("--max-length", type=int, default=2048, help="positions per record (longer ones are cut)")
+    evaluation.add_argument("--max-length", type=int, default=2048, help="rows per window: a longer record is read as windows, each of its positions counted once")
     evaluation.add_argument("--served-max-new-tokens", type=int,
                             help="the served walk covers this many tokens of each last turn, as eval-served "
                             "--max-new-tokens generates (default: the whole turn)")

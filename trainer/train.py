@@ -302,7 +302,7 @@ def train_step(run: Run, batches: Iterator[dict[str, Any]]) -> tuple[dict[str, A
     config, runtime = run.config, run.runtime
     accumulation, num_steps = config.grad_accumulation_steps, config.objective.ttt_steps
     run.optimizer.zero_grad(set_to_none=True)
-    sums = torch.zeros(2 + 3 * num_steps, device=runtime.device)  # loss, records, step losses, correct, total
+    sums = torch.zeros(2 + 3 * num_steps, device=runtime.device)  # loss, windows, step losses, correct, total
     record_ids: list[str] = []
     for micro in range(accumulation):
         batch = to_device(next(batches), runtime.device)
@@ -338,7 +338,7 @@ def evaluate(run: Run, shards: str) -> dict[str, Any]:
                            packing=config.data.packing, shuffle=False, cache_dir=config.data.cache_dir,
                            cache_max_bytes=config.data.cache_max_bytes)
     dataset = data.ShardDataset(eval_data, rank=runtime.rank, world_size=runtime.world_size, num_epochs=1,
-                                equal_per_rank=False, **run.expected)
+                                equal_per_rank=False, window_overlap=config.objective.ttt_steps - 1, **run.expected)
     num_steps = config.objective.ttt_steps
     sums = torch.zeros(3 * num_steps, device=runtime.device)  # correct, total, loss * total
     for number, batch in enumerate(data.make_loader(dataset)):
@@ -421,7 +421,8 @@ def train(config: Config, resume: str | bool = False) -> dict[str, Any]:
             keep_inputs(out_dir, draft_config=config.draft_config, vocab=config.vocab,
                         training_records=training_records)
         dataset = data.ShardDataset(config.data, rank=runtime.rank, world_size=runtime.world_size,
-                                    start_batch=run.next_batch, **run.expected)
+                                    start_batch=run.next_batch, window_overlap=config.objective.ttt_steps - 1,
+                                    **run.expected)
         batches = iter(data.make_loader(dataset, pin_memory=runtime.device.type == "cuda"))
         metrics = MetricsLog(out_dir / "metrics.jsonl", enabled=runtime.is_main,
                              resume_step=run.start_step if resume else None)

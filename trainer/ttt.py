@@ -58,6 +58,12 @@ def same_record_after(doc_ids: torch.Tensor, steps: int) -> torch.Tensor:
     return shift_rows(doc_ids, steps, -2) == doc_ids
 
 
+def scored_rows(loss_mask: torch.Tensor, doc_ids: torch.Tensor, step: int) -> torch.Tensor:
+    """(B, S) bool: start rows r whose step-`step` target, row r + step, is scored: that row is loss-masked (so,
+    in a window, also the window's own: trainer/data.py) and of the same record. loss_mask, doc_ids (B, S)."""
+    return shift_rows(loss_mask & (doc_ids >= 0), step, False) & same_record_after(doc_ids, step)
+
+
 class Eagle3Objective(nn.Module):
     """The draft plus the frozen target lm_head; forward(batch) returns the loss and per-step counts."""
 
@@ -86,14 +92,12 @@ class Eagle3Objective(nn.Module):
         learned (B, S): counted rows whose target argmax is in the draft vocab (rows the loss uses)."""
         aux, final = batch["aux"], batch["final"]  # (B, S, K*H), (B, S, H)
         input_ids, position_ids, doc_ids = batch["input_ids"], batch["position_ids"], batch["doc_ids"]  # (B, S)
-        loss_mask = batch["loss_mask"] & (doc_ids >= 0)  # (B, S)
         target_p, in_vocab = self.target_distribution(final)  # (B, S, D), (B, S)
         mask = causal_mask(doc_ids)  # (B, 1, S, S)
         hidden = self.draft.fc(aux.to(self.draft.fc.weight.dtype))  # (B, S, H)
         cache: list = []
         for step in range(self.config.ttt_steps):
-            in_record = same_record_after(doc_ids, step)  # (B, S)
-            counted = shift_rows(loss_mask, step, False) & in_record  # (B, S)
+            counted = scored_rows(batch["loss_mask"], doc_ids, step)  # (B, S)
             step_ids = shift_rows(input_ids, step, 0)  # (B, S)
             hidden, logits = self.draft(hidden, step_ids, position_ids + step, mask, cache)  # (B,S,H), (B,S,D)
             yield {"logits": logits, "target_p": shift_rows(target_p, step, 0.0), "counted": counted,
