@@ -246,7 +246,8 @@ def load_run(checkpoint: str | Path, *, target: str | Path | None = None,
 
 def build_drafts(source: DraftSource, run_dict: dict[str, Any]) -> tuple[ttt.Eagle3Objective, ttt.Eagle3Objective]:
     """(trained objective with the source's weights, untrained objective with the run's initialisation)."""
-    from trainer.train import initial_objective, load_init_from
+    from trainer.train import initial_objective
+    from trainer.warm_start import load_init_from
 
     untrained, trained = initial_objective(run_dict), initial_objective(run_dict)
     with torch.no_grad():
