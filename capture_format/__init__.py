@@ -51,6 +51,7 @@ from capture_format.records import (
     spans_from_mask,
 )
 from capture_format.prefix_blocks import DanglingPrefixError, block_record_id, is_prefix_block, prefix_key
+from capture_format.record_windows import RecordLayout, RecordWindow
 from capture_format.shard_index import INDEX_FORMAT_VERSION, IndexEntry, ShardIndex, load_index
 from capture_format.object_store import RecordCache, is_remote
 from capture_format.shard_reader import DamagedShard, ShardDirectory, VerifyReport, open_shard_directory, verify_shard
@@ -82,6 +83,8 @@ __all__ = [
     "InvalidRecordError",
     "LayerConfigError",
     "RecordCache",
+    "RecordLayout",
+    "RecordWindow",
     "RecoveryReport",
     "DamagedShard",
     "ErrorSums",

@@ -11,7 +11,10 @@ What must hold for the cache:
   frame read from it is checked like any other (a damaged file is dropped and fetched again);
 - it holds at most max_bytes, plus at most an eighth of max_bytes per process that shares it (ranks and
   loader workers of one machine share one folder): each process evicts least recently used files first
-  (use time is the file's mtime, set on every hit), rescanning the folder after every eighth it wrote.
+  (use time is the file's mtime, set on every hit), rescanning the folder after every eighth it wrote;
+- it counts frames, not records: a long record stored as a chain of parts (`prefix_blocks.py`) is one
+  file per part, each kept or evicted alone; a frame larger than max_bytes is not kept at all (keeping
+  it would evict everything else), its reader reads it uncached.
 """
 
 from __future__ import annotations
@@ -179,6 +182,11 @@ class RecordCache:
         return data
 
     def put(self, key: str, data: bytes) -> None:
+        """Keeps data under key, evicting least recently used files past max_bytes; data larger than max_bytes
+        is not kept (a copy already under key is dropped)."""
+        if len(data) > self.max_bytes:
+            self.discard(key)
+            return
         path = self.directory / key
         temp_path = self.directory / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
@@ -193,7 +201,7 @@ class RecordCache:
             self._written_since_scan += len(data)
             if self._written_since_scan > self.max_bytes // 8:
                 self._scan()
-            while self._num_bytes > self.max_bytes and len(self._sizes) > 1:
+            while self._num_bytes > self.max_bytes and self._sizes:
                 name, size = self._sizes.popitem(last=False)
                 (self.directory / name).unlink(missing_ok=True)
                 self._num_bytes -= size

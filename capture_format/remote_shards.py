@@ -13,7 +13,9 @@ What must hold: a record comes back only after the same checks as a local read (
 its bytes are exactly the indexed frame, checksums and header fields agree with the index. Each record
 is fetched alone with a ranged GET, so a training rank fetches only the records it reads, and is kept in
 a RecordCache; a cached copy that fails its checks is dropped (no reference to it kept) and fetched again
-once, so reading a record holds one copy of it, never two.
+once, so reading a record holds one copy of it, never two. A window of a long record (`read_window`)
+fetches the frames of its chain it overlaps, each alone into the cache, and only the start of the others
+(header, and for the record's own frame its ids: FRAME_START_NBYTES in one ranged GET, more in a second).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from capture_format.shard_index import (
     shard_stem,
 )
 from capture_format.shard_reader import DamagedShard, IndexedShards, VerifyReport, check_record_bytes
-from capture_format.token_ids import RecordTokens, read_token_ids_from_frame
+from capture_format.token_ids import Pread, RecordTokens, read_token_ids_from_frame
 
 __all__ = ["RemoteShardDirectory", "list_objects"]
 
@@ -45,6 +47,9 @@ T = TypeVar("T")
 
 FETCH_CHUNK_NBYTES = 4 << 20
 """A frame larger than this is fetched in ranged GETs of this size (see RemoteShardDirectory._fetch)."""
+FRAME_START_NBYTES = 64 << 10
+"""Bytes of a frame one GET fetches to read its header (and ids) alone: a block's header is ~1 KB, a
+record's ids 4 bytes a token."""
 MAX_INDEX_NBYTES = 64 << 20
 """An index object larger than this is damaged and never fetched (an index takes some 300 bytes a record)."""
 INDEX_BATCH_MAX_OBJECTS = 32
@@ -181,6 +186,32 @@ class RemoteShardDirectory(IndexedShards):
     def url_of(self, entry: IndexEntry) -> str:
         return f"s3://{entry.shard_path}"
 
+    def _shard_name(self, entry: IndexEntry) -> str:
+        return self.url_of(entry)
+
+    def _pread(self, entry: IndexEntry) -> Pread:
+        """pread within entry's frame by ranged GETs: its first FRAME_START_NBYTES (prefix, header and most
+        often its ids) in one GET on the first read, any read past them in one more."""
+        start: list[bytes] = []
+
+        def pread(nbytes: int, offset: int) -> bytes:
+            if not start:
+                start.append(self._fetch_range(entry, entry.offset, min(entry.length, FRAME_START_NBYTES)))
+            begin = offset - entry.offset
+            if begin + nbytes <= len(start[0]):
+                return start[0][begin : begin + nbytes]
+            return self._fetch_range(entry, offset, nbytes)
+
+        return pread
+
+    def _fetch_range(self, entry: IndexEntry, offset: int, nbytes: int) -> bytes:
+        try:
+            data = self.fs.cat_file(str(entry.shard_path), start=offset, end=offset + nbytes)
+        except Exception as err:
+            raise object_error(self.url_of(entry), err) from None
+        self.num_fetched_bytes += len(data)
+        return data
+
     def _key(self, entry: IndexEntry) -> str:
         return RecordCache.key(self.url_of(entry), entry.offset, entry.length, entry.header_xxh3_64)
 
@@ -232,7 +263,7 @@ class RemoteShardDirectory(IndexedShards):
 
     def read_frame(self, entry: IndexEntry, check: Callable[[bytes], T]) -> T:
         """check(frame bytes) on the cached copy of entry's frame, or on a fresh one if there is none or the
-        cached one fails; a fresh frame that passes is cached."""
+        cached one fails; a fresh frame that passes is cached (unless larger than the whole cache)."""
         key = self._key(entry)
         result = self._check_cached(key, check)
         if result is not None:

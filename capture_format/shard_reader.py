@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 from capture_format.errors import CaptureFormatError, ChecksumError, FrameError, ShardError
 from capture_format.frames import decode_frame, inspect_frame_header, parse_frame_prefix
 from capture_format.object_store import RecordCache, is_remote
-from capture_format.prefix_blocks import BlockCache, is_prefix_block, resolve_prefix
+from capture_format.prefix_blocks import BlockCache, ChainLink, is_prefix_block, resolve_prefix
+from capture_format.record_windows import RecordLayout, RecordWindow, check_window, cut_window, walk_record
 from capture_format.records import CaptureRecord
 from capture_format.shard_index import (
     SEALED_SUFFIX,
@@ -31,18 +32,14 @@ from capture_format.shard_index import (
     load_index,
     shard_stem,
 )
-from capture_format.token_ids import RecordTokens, read_token_ids
+from capture_format.token_ids import (FrameStart, Pread, RecordTokens, check_entry_fields, read_frame_start,
+                                      read_token_ids)
 
 if TYPE_CHECKING:
     from capture_format.remote_shards import RemoteShardDirectory
 
 __all__ = ["DamagedShard", "ShardDirectory", "VerifyReport", "check_record_bytes", "open_shard_directory",
            "verify_shard"]
-
-_CROSS_CHECKED = ("record_id", "sample_id", "num_tokens", "ids_xxh3_64", "model_fingerprint", "capture_layers",
-                  "hidden_size", "dtype")
-"""Index fields a reader compares with the frame's own header: an index that lies about any is caught."""
-
 
 def _read_record(fd: int, entry: IndexEntry) -> CaptureRecord:
     return check_record_bytes(os.pread(fd, entry.length, entry.offset), entry, str(entry.shard_path))
@@ -61,9 +58,7 @@ def check_record_bytes(data: bytes | memoryview, entry: IndexEntry, shard_name: 
                 f"frame header checksum {prefix.header_xxh3_64} differs from the index's {entry.header_xxh3_64}"
             )
         info = inspect_frame_header(data)
-        for name in _CROSS_CHECKED:
-            if getattr(info, name) != getattr(entry, name):
-                raise FrameError(f"frame has {name} {getattr(info, name)!r}; the index says {getattr(entry, name)!r}")
+        check_entry_fields(info, entry)
         record = decode_frame(data)
     except ChecksumError as err:
         raise ChecksumError(f"{where}: {err}") from None
@@ -119,23 +114,80 @@ class IndexedShards:
         if one is missing or does not match)."""
         return resolve_prefix(self.read_stored_record(entry), self._read_block)
 
+    def read_layout(self, entry: IndexEntry) -> RecordLayout:
+        """S of the record at entry and where each frame of its chain ends (record_windows.RecordLayout), read
+        from frame headers and its ids alone, with the checks read_record makes on them (DanglingPrefixError)."""
+        return walk_record(self._frame_start(entry), self._block_link).layout
+
+    def read_window(self, entry: IndexEntry, start: int, end: int) -> RecordWindow:
+        """Rows [start, end) of the states of the record at entry, with all its tokens: read_record(entry)'s
+        rows, decoding only the frames of its chain those rows lie in (record_windows.py). ValueError for a
+        range outside 0 <= start < end <= S; DanglingPrefixError, ChecksumError, FrameError as read_record."""
+        own = self._frame_start(entry)
+        start, end = check_window(own.info, start, end)
+        walked = walk_record(own, self._block_link)
+        last = len(walked.links) - 1
+
+        def read_frame(index: int) -> CaptureRecord:
+            if index == last:
+                return self.read_stored_record(entry)
+            block = self._read_block(walked.links[index].record_id)
+            assert block is not None  # its entry was there for the walk
+            return block
+
+        return cut_window(walked, start, end, read_frame)
+
+    def _frame_start(self, entry: IndexEntry, *, with_token_ids: bool = True) -> FrameStart:
+        return read_frame_start(self._pread(entry), entry, self._shard_name(entry), with_token_ids=with_token_ids)
+
+    def _pread(self, entry: IndexEntry) -> Pread:
+        """pread(nbytes, offset) of entry's shard, for reads within entry's frame."""
+        raise NotImplementedError
+
+    def _shard_name(self, entry: IndexEntry) -> str:
+        """entry's shard as errors name it."""
+        return str(entry.shard_path)
+
     @functools.cached_property
-    def _blocks(self) -> tuple[BlockCache, dict[str, IndexEntry]]:
-        """A cache of the blocks read, and every prefix block's index entry by record id (on first use;
-        built whole before it is stored, so a thread never sees half of it)."""
-        return BlockCache(), {entry.record_id: entry for shard in self.shards for entry in shard.entries
-                              if is_prefix_block(entry.record_id)}
+    def _blocks(self) -> _Blocks:
+        """Built whole on first use before it is stored, so a thread never sees half of it."""
+        return _Blocks(BlockCache(), {entry.record_id: entry for shard in self.shards for entry in shard.entries
+                                      if is_prefix_block(entry.record_id)})
 
     def _read_block(self, record_id: str) -> CaptureRecord | None:
-        cache, entries = self._blocks
-        block = cache.get(record_id)
+        blocks = self._blocks
+        block = blocks.cache.get(record_id)
         if block is None:
-            entry = entries.get(record_id)
+            entry = blocks.entries.get(record_id)
             if entry is None:
                 return None
             block = self.read_stored_record(entry)
-            cache.put(block)
+            blocks.cache.put(block)
         return block
+
+    def _block_link(self, record_id: str) -> ChainLink | None:
+        """The chain link of the block of that id from its checked frame header, or None if no entry has it."""
+        blocks = self._blocks
+        link = blocks.links.get(record_id)
+        if link is None:
+            entry = blocks.entries.get(record_id)
+            if entry is None:
+                return None
+            info = self._frame_start(entry, with_token_ids=False).info
+            link = blocks.links[record_id] = ChainLink.of_frame(info)
+        return link
+
+
+@dataclass(frozen=True, slots=True)
+class _Blocks:
+    """What a reader keeps of the prefix blocks of its shards."""
+
+    cache: BlockCache
+    """Decoded blocks, least recently used dropped first (a part of a long record is a block)."""
+    entries: dict[str, IndexEntry]
+    """Every prefix block's index entry by record id."""
+    links: dict[str, ChainLink] = field(default_factory=dict)
+    """Chain links read from block headers: a few hundred bytes each, at most one per entry."""
 
 
 class ShardDirectory(IndexedShards):
@@ -172,6 +224,9 @@ class ShardDirectory(IndexedShards):
     def read_stored_record(self, entry: IndexEntry) -> CaptureRecord:
         """Reads and fully verifies the record at entry as stored (see the module docstring)."""
         return _read_record(self._fd(entry), entry)
+
+    def _pread(self, entry: IndexEntry) -> Pread:
+        return functools.partial(os.pread, self._fd(entry))
 
     def _fd(self, entry: IndexEntry) -> int:
         fd = self._fds.get(entry.shard_path)
@@ -249,7 +304,8 @@ def verify_shard(path: Path | str) -> VerifyReport:
 def open_shard_directory(location: str | os.PathLike[str], *, skip_damaged: bool = False,
                          cache: RecordCache | None = None) -> ShardDirectory | RemoteShardDirectory:
     """The sealed shards of a local folder or of an s3://bucket/prefix (capture_format.remote_shards),
-    read alike: `shards`, `damaged`, `iter_index`, `read_record`, `read_token_ids`, `prefetch`."""
+    read alike: `shards`, `damaged`, `iter_index`, `read_record`, `read_window`, `read_layout`,
+    `read_token_ids`, `prefetch`."""
     if is_remote(location):
         from capture_format.remote_shards import RemoteShardDirectory
 

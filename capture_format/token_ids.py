@@ -2,12 +2,15 @@
 
 Counting token frequencies over a capture (the vocab mapping) needs ids and spans, which are a few
 bytes per token against tens of kilobytes of hidden states. `read_token_ids` preads the frame's
-prefix, its header and its token_ids tensor, and nothing else.
+prefix, its header and its token_ids tensor, and nothing else. `read_frame_start` is the same read
+for any reader that needs a frame's header (and maybe its ids) without its states: walking a chain of
+prefix blocks (`record_windows.py`) reads each block's header this way.
 
-What must hold: the ids and spans come back only if the frame's header checksum is the index
-entry's, the header parses under the frame rules, the token_ids bytes match their stored and
-decoded checksums and the entry's ids digest; otherwise ChecksumError or FrameError naming shard
-and offset, as `ShardDirectory.read_record` does.
+What must hold: the header (and ids) come back only if the frame's header checksum and length are the
+index entry's, the header parses under the frame rules, its record and sample id, token count, ids
+digest, model fingerprint, capture layers, hidden size and dtype are the entry's (`check_entry_fields`,
+which full reads use too), and the token_ids bytes match their stored and decoded checksums; otherwise
+ChecksumError or FrameError naming shard and offset, as `ShardDirectory.read_record` does.
 """
 
 from __future__ import annotations
@@ -19,10 +22,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from capture_format.errors import CaptureFormatError, ChecksumError, FrameError
+from capture_format.frame_header import FrameInfo
 from capture_format.frames import FRAME_PREFIX_NBYTES, check_header, decode_tensor, parse_frame_prefix
 from capture_format.shard_index import IndexEntry
 
-__all__ = ["RecordTokens", "read_token_ids", "read_token_ids_from_frame"]
+__all__ = ["FrameStart", "RecordTokens", "check_entry_fields", "read_frame_start", "read_token_ids",
+           "read_token_ids_from_frame"]
+
+ENTRY_FIELDS = ("record_id", "sample_id", "num_tokens", "ids_xxh3_64", "model_fingerprint", "capture_layers",
+                "hidden_size", "dtype")
+"""Index fields a reader compares with the frame's own header: an index that lies about any is caught."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class RecordTokens:
@@ -52,7 +62,23 @@ def _exactly(pread: Pread, nbytes: int, offset: int) -> bytes:
     return data
 
 
-def _read(pread: Pread, entry: IndexEntry) -> RecordTokens:
+def check_entry_fields(info: FrameInfo, entry: IndexEntry) -> None:
+    """FrameError unless the frame's header has every ENTRY_FIELDS value of its index entry."""
+    for name in ENTRY_FIELDS:
+        if getattr(info, name) != getattr(entry, name):
+            raise FrameError(f"frame has {name} {getattr(info, name)!r}; the index says {getattr(entry, name)!r}")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class FrameStart:
+    """The checked header of an indexed frame, and its token ids when they were read."""
+
+    info: FrameInfo
+    token_ids: np.ndarray | None
+    """int32 [T], or None."""
+
+
+def _read_start(pread: Pread, entry: IndexEntry, with_token_ids: bool) -> FrameStart:
     prefix_bytes = _exactly(pread, FRAME_PREFIX_NBYTES, entry.offset)
     prefix = parse_frame_prefix(prefix_bytes)
     if prefix.header_xxh3_64 != entry.header_xxh3_64:
@@ -62,23 +88,29 @@ def _read(pread: Pread, entry: IndexEntry) -> RecordTokens:
     if prefix.frame_nbytes != entry.length:
         raise FrameError(f"frame is {prefix.frame_nbytes} bytes; the index says {entry.length}")
     info = check_header(prefix, prefix_bytes, _exactly(pread, prefix.header_nbytes, entry.offset + FRAME_PREFIX_NBYTES))
-    if info.record_id != entry.record_id:
-        raise FrameError(f"frame holds record {info.record_id!r}; the index says {entry.record_id!r}")
-    if info.ids_xxh3_64 != entry.ids_xxh3_64:
-        raise ChecksumError(f"frame's token ids hash to {info.ids_xxh3_64}; the index says {entry.ids_xxh3_64}")
+    check_entry_fields(info, entry)
+    if not with_token_ids:
+        return FrameStart(info, None)
     tensor = info.tensors[0]  # token_ids, always first in the payload
     stored_offset = entry.offset + FRAME_PREFIX_NBYTES + info.header_nbytes + tensor.offset
-    token_ids = decode_tensor(_exactly(pread, tensor.stored_nbytes, stored_offset), tensor)
-    return RecordTokens(record_id=info.record_id, token_ids=token_ids, loss_spans=info.loss_spans)
+    return FrameStart(info, decode_tensor(_exactly(pread, tensor.stored_nbytes, stored_offset), tensor))
 
 
-def _read_naming(pread: Pread, entry: IndexEntry, shard_name: str) -> RecordTokens:
+def read_frame_start(pread: Pread, entry: IndexEntry, shard_name: str, *, with_token_ids: bool) -> FrameStart:
+    """The checked header of the frame at entry, and with_token_ids its token ids, read with pread (which
+    is never asked for a byte past the token ids); errors name shard_name and the offset."""
     try:
-        return _read(pread, entry)
+        return _read_start(pread, entry, with_token_ids)
     except ChecksumError as err:
         raise ChecksumError(f"{shard_name} at offset {entry.offset}: {err}") from None
     except CaptureFormatError as err:
         raise FrameError(f"{shard_name} at offset {entry.offset}: {err}") from None
+
+
+def _read_naming(pread: Pread, entry: IndexEntry, shard_name: str) -> RecordTokens:
+    start = read_frame_start(pread, entry, shard_name, with_token_ids=True)
+    assert start.token_ids is not None
+    return RecordTokens(record_id=start.info.record_id, token_ids=start.token_ids, loss_spans=start.info.loss_spans)
 
 
 def read_token_ids(entry: IndexEntry, fd: int | None = None) -> RecordTokens:

@@ -18,7 +18,7 @@ __all__ = ["add_commands", "main"]
 
 
 FLAG_SETTINGS = ("host", "port", "token", "durability", "max_body_bytes", "seal_after_bytes", "seal_after_s",
-                 "min_free_bytes", "upload_to", "keep_local", "collector_id")
+                 "min_free_bytes", "part_timeout_s", "upload_to", "keep_local", "collector_id")
 """CollectorSettings fields that `collect` also takes as flags (--max-body-bytes, ...): each flag's type,
 choices and help come from the field itself, so a setting is described once, in settings.py."""
 

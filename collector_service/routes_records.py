@@ -50,7 +50,10 @@ async def post_record(request: Request, store: StoreDep) -> JSONResponse:
     """Stores one frame (the body) and answers after it is durable."""
     frame = await receive_frame(request, store.settings, store.buffer_pool, store.decode_slots)
     outcome = await store.submit(frame)
-    body = {"status": outcome.status, **_describe(store, outcome.record_id, outcome.location)}
+    if outcome.location is None:  # a part, kept until the record that closes its capture comes
+        body = {"status": outcome.status, "record_id": outcome.record_id, "part": True}
+    else:
+        body = {"status": outcome.status, **_describe(store, outcome.record_id, outcome.location)}
     if outcome.status == "duplicate":
         body["same_frame"] = outcome.same_frame
         return JSONResponse(body, status_code=200)

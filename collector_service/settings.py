@@ -56,6 +56,10 @@ class CollectorSettings(BaseSettings):
     """Seal the open shard this many seconds after its first record, even if it is small."""
     min_free_bytes: int = Field(default=1 << 30, ge=0)
     """Refuse ingest with 507 when a frame would leave less than this free on the data disk."""
+    part_timeout_s: float = Field(default=1800.0, gt=0)
+    """Parts of a capture sent in parts are removed (and counted) once none of its parts came for this long
+    and its closing record has not: an aborted request, a killed server. Longer than the plugin's
+    EAGLE_TAP_PARTIAL_TTL_S, so a slow generation is never cut."""
     max_group_commit_bytes: int = Field(default=256 << 20, ge=1)
     """Bytes appended before one fdatasync covers them (bounds ack latency under heavy load)."""
     max_inflight_bytes: int = Field(default=4 << 30, ge=64)

@@ -22,10 +22,13 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from capture_format import CaptureFormatError, inspect_frame
 from capture_format.object_store import parse_location
+from capture_format.parts import ClosingParts, PartOf, capture_part_of, closing_parts_of
 from collector_service.buffers import BufferPool
 from collector_service.catalog import Catalog, RecordLocation, open_catalog, shard_name
 from collector_service.errors import ApiError
+from collector_service.parts import CaptureParts, StagedPart
 from collector_service.receive import ReceivedFrame
 from collector_service.settings import CollectorSettings
 from collector_service.uploader import Uploader, finish_uploaded, resolve_collector_id
@@ -48,7 +51,8 @@ class SubmitOutcome:
     status: str
     """"stored" (new, durable now) or "duplicate" (already stored; nothing written)."""
     record_id: str
-    location: RecordLocation
+    location: RecordLocation | None
+    """Where it is stored; None for a part of a capture sent in parts (kept apart until its record comes)."""
     same_frame: bool
     """For a duplicate: whether its header checksum equals the stored frame's."""
 
@@ -79,6 +83,8 @@ class RecordStore:
         self.num_group_commits = 0
         self.rejects: Counter[str] = Counter()
         self.started_at = time.monotonic()
+        self.parts = CaptureParts(settings.data_dir, settings.part_timeout_s)
+        self._sweeper: asyncio.Task | None = None
         self._accepting = True
         self._loop = asyncio.get_running_loop()
         self._writer = WriterThread(
@@ -106,6 +112,7 @@ class RecordStore:
                                 retry_max_s=settings.upload_retry_max_s)
         store = cls(settings, catalog, observe_commit, uploader)
         store._writer.start()
+        store._sweeper = asyncio.create_task(store._sweep_parts())
         if uploader is not None:
             uploader.start()
         return store
@@ -114,6 +121,8 @@ class RecordStore:
         """Stops accepting, lets the writer finish what it has, seals (if set) and joins it; then gives the
         uploader upload_drain_s to upload what is sealed."""
         self._accepting = False
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         self._writer.stop()
         await asyncio.to_thread(self._writer.join)
         # The writer's last report was scheduled on the loop before join returned: let it run.
@@ -151,6 +160,87 @@ class RecordStore:
         self.rejects[reason] += 1
 
     async def submit(self, frame: ReceivedFrame) -> SubmitOutcome:
+        """Stores frame unless its id is stored (a part: keeps it for its capture; a record closing parts:
+        stores them, then it); returns once it is durable. Consumes frame's buffer."""
+        info = frame.info
+        try:
+            part = capture_part_of(info.record_id, info.metadata)
+            closing = closing_parts_of(info.record_id, info.metadata)
+        except CaptureFormatError as err:
+            self.buffer_pool.release(frame.buffer)
+            raise ApiError(422, "invalid_parts", str(err)) from None
+        if part is not None:
+            return await self._stage(frame, part)
+        if closing is not None:
+            return await self._close(frame, closing)
+        return await self._store(frame)
+
+    async def _stage(self, frame: ReceivedFrame, part: PartOf) -> SubmitOutcome:
+        info = frame.info
+        try:
+            self._check_accepting()
+            if part.record_id in self._locations:  # its capture is closed: this part is stored with it
+                self.num_duplicates += 1
+                return SubmitOutcome("duplicate", info.record_id, None, True)
+            async with self.parts.lock(part.record_id):
+                stored = info.record_id in self._locations  # the same tokens' block came before
+                status = await asyncio.to_thread(self.parts.stage, part.record_id, part.index, info,
+                                                 None if stored else frame.view)
+            self.num_duplicates += status == "duplicate"
+            return SubmitOutcome(status, info.record_id, None, True)
+        finally:
+            self.buffer_pool.release(frame.buffer)
+
+    async def _close(self, frame: ReceivedFrame, closing: ClosingParts) -> SubmitOutcome:
+        """Appends the parts the record closes (those not stored yet), then the record; removes the parts."""
+        record_id = frame.info.record_id
+        handed = False
+        try:
+            async with self.parts.lock(record_id):
+                if record_id not in self._locations:
+                    self._check_accepting()
+                    parts = await asyncio.to_thread(self.parts.check_closing, frame.info, closing)
+                    for part in parts:
+                        if part.path is not None and part.record_id not in self._locations:
+                            await self._store(await self._read_staged(part))
+                handed = True
+                outcome = await self._store(frame)
+                if outcome.status == "stored":
+                    await asyncio.to_thread(self.parts.remove, record_id)
+                return outcome
+        finally:
+            if not handed:
+                self.buffer_pool.release(frame.buffer)
+
+    async def _read_staged(self, part: StagedPart) -> ReceivedFrame:
+        """A staged part's frame, read back into a pool buffer and checked as on arrival (a part damaged on
+        the data disk since is removed and named: 409)."""
+        buffer = self.buffer_pool.acquire(part.nbytes)
+        try:
+            view = memoryview(buffer)[: part.nbytes]
+            await asyncio.to_thread(_read_into, part.path, view)
+            info = await asyncio.to_thread(inspect_frame, view)
+        except (OSError, CaptureFormatError) as err:
+            self.buffer_pool.release(buffer)
+            await asyncio.to_thread(part.path.unlink, missing_ok=True)
+            raise ApiError(409, "parts_missing", f"part {part.index} ({part.record_id}) kept on the data disk is "
+                           f"unreadable now ({err}) and was removed: send the capture again") from None
+        except BaseException:
+            self.buffer_pool.release(buffer)
+            raise
+        return ReceivedFrame(buffer=buffer, view=view, info=info)
+
+    async def _sweep_parts(self) -> None:
+        """Removes expired parts now and then (also those left by an earlier run of the collector)."""
+        interval_s = min(60.0, self.settings.part_timeout_s / 4)
+        while True:
+            try:
+                await asyncio.to_thread(self.parts.sweep)
+            except OSError as err:
+                log.warning("could not sweep expired parts: %s", err)
+            await asyncio.sleep(interval_s)
+
+    async def _store(self, frame: ReceivedFrame) -> SubmitOutcome:
         """Stores frame unless its id is stored; returns once it is durable. Consumes frame's buffer."""
         record_id = frame.info.record_id
         submitted = False
@@ -252,6 +342,7 @@ class RecordStore:
             "quarantined_shards": list(self.quarantined),
             "uptime_s": round(time.monotonic() - self.started_at, 3),
             "upload": None if self._uploader is None else self._uploader.stats(),
+            "parts": self.parts.stats(),
         }
 
 
@@ -266,3 +357,9 @@ def _api_error_from_write_error(err: BaseException) -> ApiError:
     if isinstance(err, OSError) and err.errno == errno.ESHUTDOWN:
         return ApiError(503, "shutting_down", "the collector is stopping; send again later")
     return ApiError(503, "storage_failed", f"writing the record failed: {err}; nothing was acknowledged")
+
+
+def _read_into(path, view: memoryview) -> None:
+    with open(path, "rb") as file:
+        if file.readinto(view) != len(view) or file.read(1):
+            raise OSError(f"{path.name} is not {len(view)} bytes long")

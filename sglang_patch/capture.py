@@ -69,10 +69,21 @@ class CapturedSequence:
     """Prefix mode: the blocks reused and sent; the chunks then hold the rows from token prefix.reused on."""
     blocks_only: bool = False
     """Send only this capture's blocks, not its record (a capture dropped after its prompt's rows were taken)."""
+    part_index: int | None = None
+    """A part of a capture sent in parts (`capture_format.parts`): token_ids are the tokens up to the part's
+    end, the chunks its rows from rows_start on."""
+    parts_before: int = 0
+    """The record closes this many parts sent before it; its chunks hold the rows from rows_start on."""
+    rows_start: int | None = None
+    """The token of the chunks' first row, when rows were sent ahead of these (else from prefix)."""
+    block_ends: tuple[int, ...] | None = None
+    """Blocks only: the ends of the plan's blocks these chunks hold (None: all of prefix.sent_here)."""
 
     @property
     def first_row(self) -> int:
         """The token whose states are the first row of the chunks."""
+        if self.rows_start is not None:
+            return self.rows_start
         return self.prefix.reused if self.prefix else 0
 
     @property
@@ -116,6 +127,12 @@ class _Partial:
     """Draft tokens each verify step of this request accepted, in order."""
     verify_ct_base: int | None = None
     """SGLang's `req.spec_verify_ct` before this capture's first verify step."""
+    chunks_start: int = 0
+    """The token of the first row held in chunks: first_row, or the end of the last part sent."""
+    num_parts: int = 0
+    """Parts of this capture handed to the sender (`_cut_parts`)."""
+    plan_sent: bool = False
+    """Prefix mode: the plan's blocks were handed to the sender ahead of the first part."""
 
     @property
     def first_row(self) -> int:
@@ -123,8 +140,26 @@ class _Partial:
 
     @property
     def rows_end(self) -> int:
-        """One past the last token whose row is held."""
-        return self.first_row + self.num_rows
+        """One past the last token whose row is held (or was sent in a part)."""
+        return self.chunks_start + self.num_rows
+
+    def take_rows(self, end: int) -> list[HostRows]:
+        """Removes and returns the held rows of tokens [chunks_start, end), cutting a chunk in two where needed."""
+        taken, count = [], end - self.chunks_start
+        assert 0 < count <= self.num_rows, "rows taken must be held"
+        while count:
+            chunk = self.chunks[0]
+            rows = chunk.aux.shape[0]
+            if rows > count:
+                chunk, self.chunks[0] = chunk.split(count)
+                rows = count
+            else:
+                self.chunks.pop(0)
+            taken.append(chunk)
+            count -= rows
+        self.num_rows -= end - self.chunks_start
+        self.chunks_start = end
+        return taken
 
     def release(self) -> None:
         for chunk in (*self.chunks, *self.pending):
@@ -134,15 +169,20 @@ class _Partial:
 class CaptureAssembler:
     """Turns the rows of EXTEND and DECODE batches into complete `CapturedSequence`s, handed to `emit`."""
 
-    def __init__(self, *, stats: CaptureStats, emit: Callable[[CapturedSequence], None],
+    def __init__(self, *, stats: CaptureStats, emit: Callable[[CapturedSequence], bool | None],
                  selector: Selector | None = None, partial_ttl_s: float = 600.0,
                  copier: RowCopier | None = None,
-                 served_draft: Callable[[], tuple[str, SpecServing] | None] | None = None) -> None:
+                 served_draft: Callable[[], tuple[str, SpecServing] | None] | None = None,
+                 part_max_tokens: int = 1 << 20, part_max_bytes: int = 1 << 62) -> None:
         self._stats = stats
+        self._part_max_tokens = part_max_tokens
+        self._part_max_bytes = part_max_bytes
+        self._most_rows_held = 0
         self._served_draft = served_draft or (lambda: None)
         """(draft identity, how it drafts) on a replica that serves a draft; None on one without."""
         self._copier = copier or HostCopier()
         self._emit = emit
+        """Hands a capture (or a part of one) to the sender; False when it was dropped there."""
         self.selector = selector or Selector(stats=stats, sample_rate=1.0, live_sample_rate=0.0, ttl_s=partial_ttl_s)
         self._partial_ttl_s = partial_ttl_s
         self._partials: dict[str, _Partial] = {}
@@ -269,6 +309,8 @@ class CaptureAssembler:
             partial.accepted.append(int(num_correct))
             if not req.finished() and partial.rows_end != len(req.origin_input_ids) + len(req.output_ids) - 1:
                 self._abandon(req.rid, "misaligned", now)
+            else:
+                self._cut_parts(req, partial, now)
 
     def on_finished(self, reqs: list) -> None:
         """After the scheduler processed a batch: emit (or drop) the generate captures whose request finished."""
@@ -283,13 +325,80 @@ class CaptureAssembler:
         tag = selection.tag
         partial = self._partials[rid] = _Partial(tag=tag, prefix=selection.prefix, chunks=[], num_rows=0,
                                                  updated_at=now)
+        partial.chunks_start = partial.first_row
         self._num_generating += tag.mode == "generate"
         self._stats.add("started")
         return partial
 
     def _restart(self, partial: _Partial, now: float) -> None:
+        # Rows already sent in parts stay sent: the new prefill's rows before chunks_start are not taken.
         partial.release()
         partial.chunks, partial.pending, partial.num_rows, partial.updated_at = [], [], 0, now
+
+    def _part_rows(self, partial: _Partial) -> int:
+        row_nbytes = partial.chunks[0].nbytes // max(partial.chunks[0].aux.shape[0], 1)
+        return max(1, min(self._part_max_tokens, self._part_max_bytes // max(row_nbytes, 1)))
+
+    def _cut_parts(self, req, partial: _Partial, now: float) -> bool:
+        """Hands the held rows to the sender in parts while more than one part's rows are held (the newest
+        rows stay: the record that closes the capture holds at least one). False when the capture was
+        dropped (the sender had no room for a part)."""
+        if partial.num_rows > self._most_rows_held:  # a gauge: the most rows one capture held at once
+            self._most_rows_held = partial.num_rows
+            self._stats.set("most_rows_held", partial.num_rows)
+        # A generate capture keeps one row more: the overlap scheduler may run a step past its last token.
+        spare = 1 + (partial.tag.mode == "generate")
+        if not partial.chunks or partial.num_rows < self._part_rows(partial) + spare:
+            return True
+        plan = partial.prefix
+        if plan is not None and not partial.plan_sent:
+            # The plan's blocks first (other records may refer to them), each as soon as its rows are held.
+            upto = min(partial.rows_end, plan.record_prefix) // plan.block_tokens * plan.block_tokens
+            if upto > partial.chunks_start and not self._send_blocks(partial, req.origin_input_ids, upto):
+                return self._drop_streaming(req.rid, now)
+            if not partial.plan_sent:  # the rest of the plan's rows (less than a block) are still to come
+                return True
+        while partial.num_rows >= self._part_rows(partial) + spare:
+            start = partial.chunks_start
+            end = start + self._part_rows(partial)
+            token_ids = _token_ids(req, end)
+            if token_ids is None:  # the scheduler has not appended the newest tokens yet: cut at the next step
+                return True
+            part = CapturedSequence(tag=partial.tag, token_ids=token_ids, loss_spans=(), metadata={},
+                                    chunks=partial.take_rows(end), num_states=end, part_index=partial.num_parts,
+                                    rows_start=start)
+            if self._emit(part) is False:
+                return self._drop_streaming(req.rid, now)
+            partial.num_parts += 1
+            self._stats.add("parts_cut")
+        return True
+
+    def _send_blocks(self, partial: _Partial, prompt, upto: int) -> bool:
+        """Hands the sender the plan's blocks this capture sends that end by upto (a block end, at most the
+        plan's last, with every row up to it held) and drops the rows before upto. False when the sender had
+        no room (counted there)."""
+        plan = partial.prefix
+        ends = tuple(end for end in plan.sent_here if partial.chunks_start < end <= upto)
+        if ends:
+            start = partial.chunks_start
+            blocks = CapturedSequence(tag=partial.tag, token_ids=list(prompt[: plan.record_prefix]), loss_spans=(),
+                                      metadata={}, chunks=partial.take_rows(ends[-1]), num_states=ends[-1], prefix=plan,
+                                      blocks_only=True, block_ends=ends, rows_start=start)
+            if self._emit(blocks) is False:
+                return False
+        if partial.chunks_start < upto:  # rows of blocks promised by other captures: theirs send them
+            for chunk in partial.take_rows(upto):
+                chunk.release()
+        partial.plan_sent = upto == plan.record_prefix
+        return True
+
+    def _drop_streaming(self, rid: str, now: float) -> bool:
+        """The sender dropped a part (and counted why): the capture cannot close; its parts already sent are
+        reclaimed by the collector after its part timeout."""
+        partial = self._remove(rid)
+        if partial is not None:
+            partial.release()
+        return False
 
     def _remove(self, rid: str) -> _Partial | None:
         partial = self._partials.pop(rid, None)
@@ -309,6 +418,8 @@ class CaptureAssembler:
             partial.chunks.append(rows)
             partial.num_rows += rows.aux.shape[0]
             partial.updated_at = now
+            if not self._cut_parts(req, partial, now):
+                continue
             if prefill and partial.tag.mode == "prefill" and partial.rows_end == len(req.full_untruncated_fill_ids):
                 self._remove(req.rid)
                 self._finish_prefill(req, partial)
@@ -375,6 +486,17 @@ class CaptureAssembler:
         self._stats.add("captured_tokens", len(token_ids))
         if partial.tag.metadata.get("source") == "live":
             self._stats.add("captured_live")
+        if partial.chunks_start != partial.first_row or partial.num_parts or partial.plan_sent:
+            # Blocks or parts went ahead of it: the plan's last blocks go now, then the record of the rest.
+            plan = partial.prefix
+            if plan is not None and not partial.plan_sent and not self._send_blocks(partial, token_ids,
+                                                                                     plan.record_prefix):
+                partial.release()
+                return
+            self._emit(CapturedSequence(tag=partial.tag, token_ids=token_ids, chunks=partial.chunks, loss_spans=spans,
+                                        num_states=num_states, metadata=metadata, parts_before=partial.num_parts,
+                                        rows_start=partial.chunks_start))
+            return
         self._emit(CapturedSequence(tag=partial.tag, token_ids=token_ids, chunks=partial.chunks,
                                     loss_spans=spans, num_states=num_states, metadata=metadata, prefix=partial.prefix))
 
@@ -392,12 +514,9 @@ class CaptureAssembler:
         it promised are still sent (other records may already refer to them)."""
         self._stats.drop(reason)
         prefix = partial.prefix
-        if req is not None and prefix is not None and prefix.sent_here and partial.rows_end >= prefix.sent_here[-1]:
-            prompt = list(req.origin_input_ids)
-            self._emit(CapturedSequence(tag=partial.tag, token_ids=prompt, chunks=partial.chunks, loss_spans=(),
-                                        num_states=prefix.sent_here[-1], metadata={}, prefix=prefix,
-                                        blocks_only=True))
-            return
+        if (req is not None and prefix is not None and prefix.sent_here and not partial.plan_sent
+                and partial.rows_end >= prefix.sent_here[-1]):
+            self._send_blocks(partial, req.origin_input_ids, prefix.sent_here[-1])
         partial.release()
 
     def _abandon(self, rid: str, reason: str, now: float) -> None:
@@ -417,3 +536,14 @@ class CaptureAssembler:
         for rid, partial in list(self._partials.items()):
             if now - partial.updated_at > self._partial_ttl_s:
                 self._abandon(rid, "expired", now)
+
+
+def _token_ids(req, end: int) -> list[int] | None:
+    """The request's first `end` token ids (prompt, then generated), or None while it has fewer."""
+    prompt = req.origin_input_ids
+    if end <= len(prompt):
+        return list(prompt[:end])
+    generated = req.output_ids
+    if end > len(prompt) + len(generated):
+        return None
+    return list(prompt) + list(generated[: end - len(prompt)])

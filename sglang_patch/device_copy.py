@@ -60,6 +60,12 @@ class SlabLease:
         self._num_holders = num_holders
         self._lock = threading.Lock()
 
+    def add_holder(self) -> None:
+        """One more HostRows holds the slab (a held one was cut in two)."""
+        with self._lock:
+            assert self._num_holders > 0, "a slab was shared after it went back"
+            self._num_holders += 1
+
     def release_one(self) -> None:
         with self._lock:
             assert self._num_holders > 0, "a slab was released more often than it was shared"
@@ -127,6 +133,17 @@ class HostRows:
     def wait(self) -> None:
         if self.ready is not None:
             self.ready()
+
+    def split(self, num_rows: int) -> tuple[HostRows, HostRows]:
+        """(the first num_rows rows, the rest): views of the same buffer, each holding it until released.
+        This one holds nothing afterwards."""
+        assert 0 < num_rows < self.aux.shape[0], "a split must leave rows on both sides"
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.add_holder()
+        head = HostRows(aux=self.aux[:num_rows], final=self.final[:num_rows], ready=self.ready, lease=lease)  # (n, K*H), (n, H)
+        tail = HostRows(aux=self.aux[num_rows:], final=self.final[num_rows:], ready=self.ready, lease=lease)
+        return head, tail
 
     def release(self) -> None:
         """Hands the host buffer back; safe to call twice."""

@@ -298,7 +298,10 @@ class CaptureHook:
                              stats_path=self._settings.stats_path or spool.directory / "stats.json")
         self._assembler = CaptureAssembler(stats=self.stats, emit=self.sender.submit, selector=self.selector,
                                            partial_ttl_s=self._settings.partial_ttl_s, copier=copier,
-                                           served_draft=self.served_draft)
+                                           served_draft=self.served_draft,
+                                           part_max_tokens=self._settings.part_max_tokens,
+                                           part_max_bytes=min(self._settings.part_max_bytes,
+                                                              max(self._settings.inflight_max_bytes // 2, 1)))
         self.stats.status = "capturing"
         atexit.register(self.sender.close)
         logger.info("eagle-tap capturing layers %s (hidden %d, %s states, codec %s, %s) from %s to %s",

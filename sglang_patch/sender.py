@@ -28,6 +28,8 @@ import numpy as np
 import torch
 
 from capture_format import CaptureRecord, StatesPrefix, encode_frame
+from capture_format.frames import inspect_frame_header
+from capture_format.parts import PartsDigest, closing_metadata, part_metadata
 from capture_format.prefix_blocks import BLOCK_KIND, block_record_id, prefix_key, prefix_keys, states_namespace
 from sglang_patch.capture import CapturedSequence
 from sglang_patch.delivery import CollectorClient, Verdict
@@ -66,10 +68,12 @@ def record_dtype(dtype: torch.dtype) -> str | None:
     return entry[0] if entry is not None else None
 
 
-def to_records(captured: CapturedSequence, model: ModelIdentity) -> list[CaptureRecord]:
+def to_records(captured: CapturedSequence, model: ModelIdentity, parts_digest: str | None = None) -> list[CaptureRecord]:
     """The records of a capture: in prefix mode the blocks it sends, then its own record (none for a
-    blocks-only capture). Their arrays are views of the capture's host buffers (encode before release).
-    ValueError if the capture cannot make valid records (e.g. its token ids are not those it was planned on)."""
+    blocks-only capture); of a part, the part (`capture_format.parts`); of a record closing parts, the record
+    (parts_digest: their `PartsDigest`). Their arrays are views of the capture's host buffers (encode before
+    release). ValueError if the capture cannot make valid records (e.g. its token ids are not those it was
+    planned on)."""
     aux_rows, final_rows = captured.states()  # (S', K*H), (S', H): the rows from token first_row on
     dtype_name, view_dtype, numpy_dtype = _STATE_DTYPES[aux_rows.dtype]
     held, num_layers = aux_rows.shape[0], len(model.capture_layers)
@@ -79,12 +83,15 @@ def to_records(captured: CapturedSequence, model: ModelIdentity) -> list[Capture
     shared = {"model_fingerprint": model.model_fingerprint, "capture_layers": model.capture_layers,
               "hidden_size": model.hidden_size, "dtype": dtype_name}
     plan, first_row = captured.prefix, captured.first_row
+    namespace = states_namespace(model.model_fingerprint, model.capture_layers, model.hidden_size, dtype_name)
+    if captured.part_index is not None or (captured.rows_start is not None and not captured.blocks_only):
+        # a part, or the record after its blocks or parts went ahead
+        return [_part_or_closing(captured, token_ids, aux, final, shared, namespace, parts_digest)]
     keys: dict[int, str] = {}  # block end -> content key of the states of token_ids[:end] (this model's)
     if plan is not None and plan.keys:
         if prefix_key(token_ids[: plan.record_prefix]) != plan.keys[-1]:
             raise ValueError("its token ids are not the prompt its shared-prefix blocks were planned on")
         ends = range(plan.block_tokens, plan.record_prefix + 1, plan.block_tokens)
-        namespace = states_namespace(model.model_fingerprint, model.capture_layers, model.hidden_size, dtype_name)
         keys = dict(zip(ends, prefix_keys(token_ids, ends, namespace)))
 
     def reference(end: int) -> StatesPrefix | None:
@@ -92,7 +99,7 @@ def to_records(captured: CapturedSequence, model: ModelIdentity) -> list[Capture
 
     records = []
     if plan is not None:
-        for end in plan.sent_here:
+        for end in plan.sent_here if captured.block_ends is None else captured.block_ends:
             start = end - plan.block_tokens
             rows = slice(start - first_row, end - first_row)
             block_id = block_record_id(keys[end])
@@ -110,6 +117,27 @@ def to_records(captured: CapturedSequence, model: ModelIdentity) -> list[Capture
     return records
 
 
+def _part_or_closing(captured: CapturedSequence, token_ids: np.ndarray, aux: np.ndarray, final: np.ndarray,
+                     shared: dict, namespace: str, parts_digest: str | None) -> CaptureRecord:
+    """A part (rows [first_row, end) of tokens token_ids[:end]), or the record holding the rows from first_row on,
+    closing the parts before it (if any)."""
+    start = captured.first_row
+    reference = StatesPrefix(prefix_key(token_ids[:start], namespace), start) if start else None
+    if captured.part_index is not None:
+        block_id = block_record_id(prefix_key(token_ids, namespace))
+        return CaptureRecord(record_id=block_id, sample_id=block_id, token_ids=token_ids, loss_spans=(),
+                             aux=aux, final=final, metadata=part_metadata(captured.tag.record_id, captured.part_index),
+                             states_prefix=reference, **shared)
+    metadata = captured.metadata
+    if captured.parts_before:
+        if parts_digest is None:
+            raise ValueError(f"it closes {captured.parts_before} parts and their digest is unknown")
+        metadata = closing_metadata(metadata, captured.parts_before, parts_digest)
+    return CaptureRecord(
+        record_id=captured.tag.record_id, sample_id=captured.tag.sample_id, token_ids=token_ids,
+        loss_spans=captured.loss_spans, aux=aux, final=final, states_prefix=reference, metadata=metadata, **shared)
+
+
 class Sender:
     """One background thread per capturing process; see the module docstring for its guarantees."""
 
@@ -123,6 +151,9 @@ class Sender:
         token = settings.token.get_secret_value() if settings.token is not None else None
         self._client = CollectorClient(settings.collector_url, token=token, deadline_s=settings.send_timeout_s)
         self._queue: collections.deque[tuple[float, CapturedSequence]] = collections.deque()  # (queued at, capture)
+        self._parts: dict[str, tuple[PartsDigest, float]] = {}
+        """Captures sent in parts whose closing record has not come: the digest of their parts so far, and
+        when the last one was encoded (sender thread only)."""
         self._inflight_bytes = 0
         self._condition = threading.Condition()
         self._stopping = False
@@ -134,16 +165,18 @@ class Sender:
         self._thread = threading.Thread(target=self._run, name="eagle-tap-sender", daemon=True)
         self._thread.start()
 
-    def submit(self, captured: CapturedSequence) -> None:
+    def submit(self, captured: CapturedSequence) -> bool:
+        """Queues a capture (or a part of one); False when it was dropped (counted) for want of room."""
         size = captured.raw_nbytes
         with self._condition:
             if self._inflight_bytes + size > self._settings.inflight_max_bytes:
                 captured.release()
                 self._stats.drop("inflight_budget")
-                return
+                return False
             self._inflight_bytes += size
             self._queue.append((time.monotonic(), captured))
             self._condition.notify()
+            return True
 
     def idle(self) -> bool:
         """Nothing queued in memory and nothing spooled."""
@@ -213,16 +246,52 @@ class Sender:
             return batch, self._stopping
 
     def _encode(self, captured: CapturedSequence) -> list[bytes]:
+        record_id = captured.tag.record_id
         try:
-            return [encode_frame(record, self._model.codec) for record in to_records(captured, self._model)]
+            digest = self._parts_digest(captured)
+            if digest is None:
+                return []
+            frames = [encode_frame(record, self._model.codec)
+                      for record in to_records(captured, self._model, digest.hexdigest() if digest else None)]
+            if captured.part_index is not None:
+                part = inspect_frame_header(frames[0])
+                digest.update(part.record_id, part.header_xxh3_64)
+                self._parts[record_id] = (digest, time.monotonic())
+            return frames
         except ValueError as error:
+            self._parts.pop(record_id, None)
             self._stats.drop("invalid_record")
-            logger.error("eagle-tap: capture %s is not a valid record: %s", captured.tag.record_id, error)
+            logger.error("eagle-tap: capture %s is not a valid record: %s", record_id, error)
             return []
         finally:
             captured.release()
             with self._condition:
                 self._inflight_bytes -= captured.raw_nbytes
+
+    def _parts_digest(self, captured: CapturedSequence) -> PartsDigest | bool | None:
+        """The digest a part extends or a closing record carries; False for a capture sent whole; None when
+        a part before it was lost (dropped here, counted)."""
+        record_id = captured.tag.record_id
+        if captured.part_index is None and not captured.parts_before:
+            return False
+        if captured.part_index == 0:
+            self._forget_stale_parts()
+            return PartsDigest()
+        digest = self._parts.get(record_id, (None, 0.0))[0]
+        expected = captured.parts_before if captured.part_index is None else captured.part_index
+        if captured.part_index is None:
+            self._parts.pop(record_id, None)
+        if digest is None or digest.count != expected:
+            self._parts.pop(record_id, None)
+            self._stats.drop("part_lost")
+            return None
+        return digest
+
+    def _forget_stale_parts(self) -> None:
+        """Captures whose parts stopped coming (dropped before closing) are forgotten after twice the TTL."""
+        oldest = time.monotonic() - 2 * self._settings.partial_ttl_s
+        for record_id in [key for key, (_, at) in self._parts.items() if at < oldest]:
+            del self._parts[record_id]
 
     def _ship(self, batch: list[CapturedSequence], *, spool_only: bool) -> None:
         frames = []
@@ -231,7 +300,10 @@ class Sender:
             if encoded:
                 self._stats.add("bytes_raw", captured.raw_nbytes)
                 self._stats.add("bytes_stored", sum(len(frame) for frame in encoded))
-                self._stats.add("prefix_blocks_sent", len(encoded) - (not captured.blocks_only))
+                if captured.part_index is not None:
+                    self._stats.add("parts_sent")
+                else:
+                    self._stats.add("prefix_blocks_sent", len(encoded) - (not captured.blocks_only))
                 frames.extend(encoded)
         # Order: nothing overtakes what already waits in the spool.
         if spool_only or len(self._spool) or time.monotonic() < self._retry_at:

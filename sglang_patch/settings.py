@@ -42,7 +42,14 @@ class CaptureSettings(BaseSettings):
     spool_max_bytes: int = Field(default=8 << 30, ge=0)
     """Bound of the spool; frames that would exceed it are dropped and counted."""
     inflight_max_bytes: int = Field(default=512 << 20, ge=1)
-    """Bound of copied-but-not-yet-sent raw bytes held in memory; past it records are dropped and counted."""
+    """Bound of copied-but-not-yet-sent raw bytes held in memory; past it records are dropped and counted.
+    A capture larger than a part is sent in parts as it is computed, so no record is too large for it."""
+    part_max_tokens: int = Field(default=8192, ge=1)
+    """A capture holding more rows than a part is sent in parts of at most this many tokens' states as they
+    are computed (`capture_format.parts`): the plugin holds one part per capture, whatever its length."""
+    part_max_bytes: int = Field(default=64 << 20, ge=1)
+    """...and of at most this many raw bytes (57,344 per token at Kimi-K2's width: 1,170 tokens); at most
+    half of inflight_max_bytes is used, so a part always fits in flight."""
     sample_rate: float = Field(default=1.0, ge=0.0, le=1.0)
     """Fraction of tagged requests captured, chosen by a hash of the record id (deterministic)."""
     live_sample_rate: float = Field(default=0.0, ge=0.0, le=1.0)
