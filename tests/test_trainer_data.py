@@ -6,6 +6,7 @@ import logging
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -36,23 +37,30 @@ def test_shift_on_a_hand_made_record_matches_the_documented_example() -> None:
     assert rows["aux"][:, 0].tolist() == [0, 100, 200, 300]  # aux[r], first capture layer, first feature
     assert rows["aux"][:, 4].tolist() == [1, 101, 201, 301]  # second capture layer follows the first H values
     assert rows["input_ids"].tolist() == [11, 12, 13, 14]  # token r+1
-    assert rows["final"][:, 0].tolist() == [1001, 1002, 1003, 1004]  # final[r+1]: distribution of token r+2
+    assert rows["final"][:, 0].tolist() == [1001, 1002, 1003, 0]  # final[r+1]: distribution of token r+2
     assert rows["loss_mask"].tolist() == [True, True, True, False]  # mask[r+2]; nothing past the record
     assert rows["label_ids"].tolist() == [12, 13, 14, -1]  # token r+2
 
 
 def _window(record: cf.CaptureRecord, first: int, end: int, overlap: int) -> dict[str, np.ndarray]:
-    return data.shift_window(data.read_windows(_OneRecord(record), None, [(first, end)])[0], first, end, overlap)
+    entry = SimpleNamespace(num_tokens=record.num_tokens)
+    return data.shift_window(data.read_windows(_OneRecord(record), entry, [(first, end)])[0], first, end, overlap)
 
 
 class _OneRecord:
-    """Shards of one record, for data.read_windows."""
+    """Shards of one record, for data.read_windows: its rows [start, end) as IndexedShards.read_window gives them."""
 
     def __init__(self, record: cf.CaptureRecord) -> None:
         self.record = record
 
-    def read_record(self, entry: object) -> cf.CaptureRecord:
-        return self.record
+    def read_window(self, entry: object, start: int, end: int) -> cf.RecordWindow:
+        record = self.record
+        return cf.RecordWindow(
+            record_id=record.record_id, sample_id=record.sample_id, model_fingerprint=record.model_fingerprint,
+            capture_layers=record.capture_layers, hidden_size=record.hidden_size, dtype=record.dtype,
+            token_ids=record.token_ids, loss_spans=record.loss_spans, metadata=record.metadata,
+            num_states=record.num_states, start=start, end=end, aux=record.aux[start:end],
+            final=record.final[start:end])
 
 
 def test_windows_of_the_documented_example() -> None:
@@ -192,8 +200,8 @@ def test_a_record_without_the_last_tokens_state_trains_like_a_prefill_capture_of
     assert got["label_ids"].tolist() == [12, 13, 14, 15, -1]
     for name in ("aux", "input_ids", "loss_mask", "label_ids"):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-    # Only the masked last row differs: its target is the state the generated record never had.
-    np.testing.assert_array_equal(got["final"][:4], want["final"][:4])
+    # The masked last row's target is past the record: zeros for both (the generated record never had it).
+    np.testing.assert_array_equal(got["final"], want["final"])
     assert got["final"][4].tolist() == [0, 0, 0, 0]
     assert _window(generated, 0, 3, 0)["final"][:, 0].tolist() == [1001, 1002, 1003]
     assert _window(generated, 2, 5, 1)["final"][:, 0].tolist() == [1003, 1004, 0]

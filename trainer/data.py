@@ -17,23 +17,23 @@ r+2 lies past the record, so its mask is 0. Worked example, T = 5, loss span (2,
     rows    r                        0    1    2    3
             aux         aux[r]       A0   A1   A2   A3
             input_ids   ids[r+1]     b    c    d    e
-            final       final[r+1]   F1   F2   F3   F4   -> target distribution of c, d, e, (past e)
+            final       final[r+1]   F1   F2   F3   0    -> target distribution of c, d, e; none past e
             loss_mask   mask[r+2]    1    1    1    0
             label_ids   ids[r+2]     c    d    e    -1
             positions   r            0    1    2    3
 
-A record whose last token has no state (S = T - 1 rows of states: the server sampled that token and
-never ran a forward on it) gives the same T - 1 rows. Only its last row, r = T - 2, would read the
-missing final[T - 1]; that row predicts token T, past the record, so its mask is 0 and its target is
-never read: it gets zeros. aux[T - 1] is never read by any record. So such a record trains exactly
-like a prefill capture of the same T tokens, including on its last token (often the end of turn).
+The last row, r = T - 2, predicts token T, past the record: its mask is 0, its target is never read,
+and its final is zeros. So a record whose last token has no state (S = T - 1 rows of states: the
+server sampled that token and never ran a forward on it) gives the same T - 1 rows as a prefill
+capture of the same T tokens: only that row would read the missing final[T - 1], and aux[T - 1] is
+never read by any record. It trains on its last token too (often the end of turn).
 
 Test-time-training step i (trainer/ttt.py) reads row r + i of the same record for input ids,
 targets and mask, at position r + i, with the draft's own hidden state of row r.
 
 Windows: every token of a long record is trained. A record of n rows with n > max_length (M) is
 cut into windows of at most M rows, each a unit of the batch plan with the states of its own rows
-only. L = `window_overlap` rows (train and eval pass ttt_steps - 1, the farthest the unroll reads
+only (`read_windows`: IndexedShards.read_window decodes only the frames those rows lie in). L = `window_overlap` rows (train and eval pass ttt_steps - 1, the farthest the unroll reads
 ahead) are carried twice: window k holds rows [k(M-L), min(k(M-L) + M, n)), and its first L rows
 (k > 0) repeat the last rows of window k-1 with loss mask 0 there. A row's target (token r+2) is
 learned in exactly one window, the one whose own rows hold it, and the unroll reaches it at step i
@@ -160,38 +160,15 @@ def record_windows(num_tokens: int, max_length: int, overlap: int) -> list[tuple
     return windows
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RecordRows:
-    """What a window reads of a record: every token id and loss span, and the states of positions [start, end)."""
-
-    token_ids: np.ndarray
-    """(T,) int32: the whole record's tokens."""
-    loss_spans: tuple[tuple[int, int], ...]
-    num_states: int
-    """S of the whole record: T, or T - 1 when its last token has no state."""
-    start: int
-    end: int
-    aux: np.ndarray
-    """(end - start, K, H): the capture layers' inputs at positions start..end-1."""
-    final: np.ndarray
-    """(end - start, H): the final states there."""
-    metadata: dict[str, Any]
-
-
-def read_windows(shards: Shards, entry: cf.IndexEntry, windows: Sequence[tuple[int, int]]) -> list[RecordRows]:
+def read_windows(shards: Shards, entry: cf.IndexEntry, windows: Sequence[tuple[int, int]]) -> list[cf.RecordWindow]:
     """The states each window of rows [first, end) of the record at entry needs: positions first..end (the shift
-    reads final[end]), clipped to the states it has. The one place records are read for training and eval."""
-    record = shards.read_record(entry)
-    parts = []
-    for first, end in windows:
-        stop = min(end + 1, record.num_states)
-        parts.append(RecordRows(token_ids=record.token_ids, loss_spans=record.loss_spans,
-                                num_states=record.num_states, start=first, end=stop, aux=record.aux[first:stop],
-                                final=record.final[first:stop], metadata=record.metadata))
-    return parts
+    reads final[end]), or first..end-1 for the record's last window (its last row's target is past the record).
+    Only the frames of the record those rows lie in are decoded. The one place training and eval read records."""
+    last_row = entry.num_tokens - 1
+    return [shards.read_window(entry, first, end + 1 if end < last_row else end) for first, end in windows]
 
 
-def shift_window(rows: RecordRows, first: int, end: int, overlap: int = 0) -> dict[str, np.ndarray]:
+def shift_window(rows: cf.RecordWindow, first: int, end: int, overlap: int = 0) -> dict[str, np.ndarray]:
     """Rows [first, end) of the record as in the module docstring (rows.start must be first; n = end - first).
 
     loss_mask is 0 on the first `overlap` rows of a window after a record's first (an earlier window learns
@@ -209,9 +186,9 @@ def shift_window(rows: RecordRows, first: int, end: int, overlap: int = 0) -> di
     owned[: overlap if first > 0 else 0] = False
     starts = learned.copy()
     starts[max(n - overlap, 0) if end < num_tokens - 1 else n :] = False
-    final = rows.final[1 : n + 1]
-    if final.shape[0] < n:  # the last token has no state (captured while generating): see the module docstring
-        final = np.concatenate([final, np.zeros_like(rows.final[:1])])
+    final = np.zeros((n, rows.final.shape[1]), dtype=rows.final.dtype)  # (n, H)
+    with_target = min(end, num_tokens - 2) - first  # rows whose token r+2 is in the record: the module docstring
+    final[:with_target] = rows.final[1 : with_target + 1]
     return {
         "aux": rows.aux[:n].reshape(n, -1),  # (n, K*H): target states at r
         "input_ids": ids[first + 1 : end + 1],  # (n,): token r+1
@@ -225,8 +202,11 @@ def shift_window(rows: RecordRows, first: int, end: int, overlap: int = 0) -> di
 
 def shift_record(record: cf.CaptureRecord) -> dict[str, np.ndarray]:
     """The whole record's n = T - 1 rows as in the module docstring (one window)."""
-    rows = RecordRows(token_ids=record.token_ids, loss_spans=record.loss_spans, num_states=record.num_states,
-                      start=0, end=record.num_states, aux=record.aux, final=record.final, metadata=record.metadata)
+    rows = cf.RecordWindow(
+        record_id=record.record_id, sample_id=record.sample_id, model_fingerprint=record.model_fingerprint,
+        capture_layers=record.capture_layers, hidden_size=record.hidden_size, dtype=record.dtype,
+        token_ids=record.token_ids, loss_spans=record.loss_spans, metadata=record.metadata,
+        num_states=record.num_states, start=0, end=record.num_states, aux=record.aux, final=record.final)
     return shift_window(rows, 0, record.num_tokens - 1)
 
 
@@ -426,9 +406,9 @@ class ShardDataset(torch.utils.data.IterableDataset):
         for row in rows:
             for index, first, end in row:
                 wanted.setdefault(index, []).append((first, end))
-        read: dict[Window, RecordRows] = {}
+        read: dict[Window, cf.RecordWindow] = {}
         skipped = []
-        for index, windows in wanted.items():  # each record once per batch, however many of its windows it holds
+        for index, windows in wanted.items():
             entry = self.entries[index]
             try:
                 parts = read_windows(shards, entry, windows)
