@@ -352,7 +352,7 @@ def test_each_rank_fetches_only_its_own_records(training_bucket: dict[str, str],
 
     read, cached = [], []
     for rank in range(2):
-        config = data.Config(shards=training_bucket["train_shards"], batch_size=4, max_length=128,
+        config = data.Config(shards=training_bucket["train_shards"], batch_size=4, max_length=256,  # a window each
                              cache_dir=str(tmp_path / f"cache-{rank}"))
         dataset = data.ShardDataset(config, rank=rank, world_size=2, num_epochs=1)
         read.append({record_id for batch in data.make_loader(dataset) for record_id in batch["record_ids"]})
