@@ -83,6 +83,10 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         extra_args=tuple(args.sglang_args),
         log_path=Path(args.log) if args.log else None,
+        tp=args.tp,
+        dp=args.dp,
+        dp_attention=args.enable_dp_attention,
+        ep=args.ep,
     )
     server = SGLangServer(config)
     print(f"starting SGLang for {config.model_path} on {server.url} (log: {server.log_path or 'temp file'})", flush=True)
@@ -161,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "(checked against the model before start-up)")
     serve.add_argument("--num-steps", type=int, default=3,
                        help="with --draft: draft tokens proposed per verify step (a chain, top-k 1; default 3)")
+    serve.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (SGLang's --tp-size); on CPU each "
+                       "rank is bound to its own cores (SGLANG_CPU_OMP_THREADS_BIND, unless set)")
+    serve.add_argument("--dp", type=int, default=1, help="data-parallel groups (SGLang's --dp-size)")
+    serve.add_argument("--enable-dp-attention", action="store_true",
+                       help="attention data-parallel over the --dp groups inside the --tp ranks (DeepSeek/Kimi)")
+    serve.add_argument("--ep", type=int, default=1, help="expert-parallel ranks of MoE layers (SGLang's --ep-size)")
     serve.add_argument("sglang_args", nargs=argparse.REMAINDER, help="extra sglang.launch_server flags after --")
     serve.set_defaults(run=_serve)
 

@@ -81,6 +81,45 @@ class ServerConfig:
     """Where the server's stdout+stderr go; a temp file when None."""
     speculative: SpeculativeConfig | None = None
     """Serve this EAGLE-3 draft (checked against the model before anything starts); None: no draft."""
+    tp: int = 1
+    """Tensor-parallel ranks (`--tp-size`)."""
+    dp: int = 1
+    """Data-parallel groups (`--dp-size`): with dp_attention, attention groups inside the tp ranks (DeepSeek's and
+    Kimi's serving shape); without, dp whole replicas of tp ranks each."""
+    dp_attention: bool = False
+    """`--enable-dp-attention`: attention data-parallel over dp groups of tp / dp ranks, the rest tensor-parallel."""
+    ep: int = 1
+    """Expert-parallel ranks of MoE layers (`--ep-size`)."""
+
+    @property
+    def num_ranks(self) -> int:
+        """Scheduler processes SGLang starts: tp, times dp for whole data-parallel replicas."""
+        return self.tp * (1 if self.dp_attention else self.dp)
+
+    def parallel_args(self) -> tuple[str, ...]:
+        args: tuple[str, ...] = ()
+        if self.tp > 1:
+            args += ("--tp-size", str(self.tp))
+        if self.dp > 1:
+            args += ("--dp-size", str(self.dp))
+        if self.dp_attention:
+            args += ("--enable-dp-attention",)
+        if self.ep > 1:
+            args += ("--ep-size", str(self.ep))
+        return args
+
+
+def cpu_thread_binding(num_ranks: int, cpu_ids: list[int]) -> str:
+    """`SGLANG_CPU_OMP_THREADS_BIND` giving each rank its own run of cores ("0-3|4-7"); with fewer cores than
+    ranks, ranks share cores round-robin ("0|1|0|1"). SGLang otherwise refuses more ranks than NUMA nodes."""
+    if not cpu_ids:
+        raise ValueError("no CPU is available to this process to bind the server's ranks to")
+    if len(cpu_ids) < num_ranks:
+        return "|".join(str(cpu_ids[rank % len(cpu_ids)]) for rank in range(num_ranks))
+    per_rank = len(cpu_ids) // num_ranks
+    groups = [cpu_ids[rank * per_rank : (rank + 1) * per_rank] for rank in range(num_ranks)]
+    return "|".join(f"{group[0]}-{group[-1]}" if group == list(range(group[0], group[-1] + 1)) and len(group) > 1
+                    else ",".join(map(str, group)) for group in groups)
 
 
 def post_json(url: str, payload: dict, timeout_s: float = 120) -> dict:
@@ -123,6 +162,8 @@ def server_environment(config: ServerConfig) -> dict[str, str]:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         if stand_ins_needed():
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CPU_STANDINS_DIR), env.get("PYTHONPATH")]))
+        if config.num_ranks > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in env:
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(config.num_ranks, sorted(os.sched_getaffinity(0)))
     env.update(config.env)
     return env
 
@@ -140,6 +181,7 @@ def server_command(config: ServerConfig, port: int) -> list[str]:
         "--host", config.host,
         "--port", str(port),
         *device_args,
+        *config.parallel_args(),
         *(config.speculative.server_args() if config.speculative else ()),
         *config.extra_args,
     ]

@@ -22,7 +22,9 @@ check), and again at the first forward after a weight update (`on_weights_update
 from __future__ import annotations
 
 import atexit
+import json
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -236,6 +238,52 @@ class CaptureHook:
             pass  # nowhere safe to write the status: the log line below says why
         logger.error("eagle-tap capture disabled in this process: %s", why)
 
+    def _peer_stats_paths(self, dp_rank: int) -> tuple[Path, str]:
+        """(folder, file-name pattern) of the stats files of this data-parallel group's non-sending ranks."""
+        if self._settings.stats_path is not None:
+            path = self._settings.stats_path
+            return path.parent, f"{path.stem}.attn-tp*{path.suffix}"
+        return self._settings.spool_dir / f"dp{dp_rank}", "stats.attn-tp*.json"
+
+    def _report_as_peer(self) -> None:
+        """A rank that does not send still decides for every request (`Selector`); it writes its counts and its
+        decisions' checkpoints next to the sending rank's stats, about once a second, so they can be compared."""
+        tp_rank, cp_rank, dp_rank = (_parallel_rank(name) for name in ("attn_tp_rank", "attn_cp_rank", "attn_dp_rank"))
+        self.stats.status = (f"not sending: attention-TP rank {tp_rank}, context-parallel rank {cp_rank} of "
+                             f"data-parallel group {dp_rank} (rank 0 of the group sends)")
+        try:
+            if self._settings.stats_path is None:
+                check_private_directory(self._settings.spool_dir)
+        except (SpoolDirectoryError, OSError) as error:
+            logger.error("eagle-tap: no stats file for this rank: %s", error)
+            return
+        folder, pattern = self._peer_stats_paths(dp_rank)
+        path = folder / pattern.replace("*", f"{tp_rank}.cp{cp_rank}")
+        threading.Thread(target=_write_every_second, args=(self.stats, path), name="eagle-tap-peer-stats",
+                         daemon=True).start()
+
+    def _check_peers(self) -> None:
+        """On the sending rank, about once a second (sender thread): the other ranks of its group must have made
+        the same decisions. A rank that decided otherwise salts or caps requests otherwise, so the ranks may
+        no longer compute the same batches: capture stops for good, loudly, before it stores rows of them."""
+        if self._disabled:
+            return
+        folder, pattern = self._peer_stats_paths(_parallel_rank("attn_dp_rank"))
+        mine = self.selector.checkpoints
+        for path in sorted(folder.glob(pattern)):
+            try:
+                count, _, digest = json.loads(path.read_text()).get("decisions_checkpoint", "").partition(":")
+            except (OSError, ValueError):
+                continue  # being replaced just now: read it at the next tick
+            if count.isdigit() and int(count) in mine and mine[int(count)] != digest:
+                self._disabled = True
+                self.stats.drop("ranks_disagree")
+                self.stats.status = (f"stopped: {path.name} decided otherwise than this rank by decision {count} "
+                                     "(settings or plugin versions differ between ranks?); capture is off until "
+                                     "the server restarts")
+                logger.error("eagle-tap capture stopped: %s", self.stats.status)
+                return
+
     def _row_copier(self, worker: Any) -> RowCopier:
         device = torch.device(getattr(worker, "device", None) or "cpu")  # ModelRunner.device, e.g. "cuda"
         if device.type != "cuda":
@@ -270,6 +318,7 @@ class CaptureHook:
         if _parallel_rank("attn_tp_rank") != 0 or _parallel_rank("attn_cp_rank") != 0:
             self._disabled = True  # another rank of this group ships the same rows
             self.selector.keep_decisions = False  # (it still salts alike: see on_request)
+            self._report_as_peer()
             return
         # The states come out in the dtype the model runs in; the codec must be able to store them.
         state_dtype = record_dtype(worker.model_config.dtype)
@@ -295,7 +344,8 @@ class CaptureHook:
             self._disable(str(error))
             return
         self.sender = Sender(settings=self._settings, model=model, stats=self.stats, spool=spool,
-                             stats_path=self._settings.stats_path or spool.directory / "stats.json")
+                             stats_path=self._settings.stats_path or spool.directory / "stats.json",
+                             every_second=self._check_peers)
         self._assembler = CaptureAssembler(stats=self.stats, emit=self.sender.submit, selector=self.selector,
                                            partial_ttl_s=self._settings.partial_ttl_s, copier=copier,
                                            served_draft=self.served_draft,
@@ -307,3 +357,18 @@ class CaptureHook:
         logger.info("eagle-tap capturing layers %s (hidden %d, %s states, codec %s, %s) from %s to %s",
                     capture_layers, model.hidden_size, state_dtype, codec, model.model_fingerprint, source,
                     self._settings.collector_url)
+
+
+def _write_every_second(stats: CaptureStats, path: Path) -> None:
+    """A non-sending rank's stats file, rewritten when its decisions change (daemon thread, for the process's life)."""
+    written = None
+    while True:
+        decisions = stats.snapshot().get("decisions")
+        if decisions != written:
+            try:
+                stats.write(path)
+                written = decisions
+            except OSError as error:
+                logger.error("eagle-tap: cannot write %s: %s", path, error)
+                return
+        time.sleep(1.0)

@@ -59,6 +59,9 @@ REFRESH_AFTER_USES = 64
 lost block (its capture dropped, or its request aborted before its prefill) leaves at most this many
 records dangling, however popular its prefix."""
 MAX_CAPS = 65536
+DECISION_CHECKPOINT = 8
+"""Every this many decisions the selector keeps the digest so far (`Selector.checkpoints`)."""
+MAX_CHECKPOINTS = 256
 LIVE_SOURCE = "live"
 
 
@@ -122,6 +125,23 @@ class Selector:
         self.keep_decisions = True
         """False in a process that does not capture (another rank ships, or capture is off): requests are
         still salted alike on every rank, but no decision waits for a forward that will not take it."""
+        self._decisions = xxhash.xxh3_64()
+        self._num_decisions = 0
+        self.checkpoints: collections.OrderedDict[int, str] = collections.OrderedDict()
+        """Digest of every decision so far that changes how a request is scheduled (selected or not, its cache
+        salt or cap, its plan), taken every DECISION_CHECKPOINT decisions (the last MAX_CHECKPOINTS): equal on
+        every rank of a server whose ranks decide alike, whenever each rank happens to write its stats."""
+
+    def _note_decision(self, rid: str, what: str) -> None:
+        self._decisions.update(f"{rid}\0{what}\n".encode("utf-8", "surrogatepass"))
+        self._num_decisions += 1
+        self._stats.set("decisions", self._num_decisions)
+        if self._num_decisions % DECISION_CHECKPOINT == 0:
+            digest = self._decisions.hexdigest()
+            self.checkpoints[self._num_decisions] = digest
+            while len(self.checkpoints) > MAX_CHECKPOINTS:
+                self.checkpoints.popitem(last=False)
+            self._stats.set_text("decisions_checkpoint", f"{self._num_decisions}:{digest}")
 
     def on_request(self, recv_req: Any) -> None:
         """BEFORE hook body: decide for a `TokenizedGenerateReqInput`; a selected one gets its own cache salt."""
@@ -133,9 +153,11 @@ class Selector:
                           and getattr(recv_req, "mm_inputs", None) is None,
                           num_samples=getattr(recv_req.sampling_params, "n", 1) or 1)
         if tag is None:
+            self._note_decision(rid, "-")
             return
         input_ids = getattr(recv_req, "input_ids", None)
         plan = self._plan_prefix(input_ids) if self._block_tokens and input_ids else None
+        self._note_decision(rid, tag.record_id if plan is None else f"{tag.record_id}:{plan.reused}:{plan.sent_here}")
         if plan is not None:  # the cache may serve its reused blocks, nothing past them (0: nothing)
             self._caps[rid] = plan.reused
             self._caps.move_to_end(rid)

@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -145,12 +146,14 @@ class Sender:
     """One background thread per capturing process; see the module docstring for its guarantees."""
 
     def __init__(self, *, settings: CaptureSettings, model: ModelIdentity, stats: CaptureStats, spool: Spool,
-                 stats_path: Path) -> None:
+                 stats_path: Path, every_second: Callable[[], None] | None = None) -> None:
         self._settings = settings
         self._model = model
         self._stats = stats
         self._spool = spool
         self.stats_path = stats_path
+        self._every_second = every_second
+        """Called on this thread about once a second, before the stats are written (e.g. the ranks' check)."""
         token = settings.token.get_secret_value() if settings.token is not None else None
         self._client = CollectorClient(settings.collector_url, token=token, deadline_s=settings.send_timeout_s)
         self._queue: collections.deque[tuple[float, CapturedSequence]] = collections.deque()  # (queued at, capture)
@@ -362,6 +365,8 @@ class Sender:
         now = time.monotonic()
         if now - self._stats_written_at >= 1.0:
             self._stats_written_at = now
+            if self._every_second is not None:
+                self._every_second()
             self._stats.set("spool_frames", len(self._spool))
             self._stats.set("spool_bytes", self._spool.num_bytes)
             with self._condition:

@@ -34,6 +34,7 @@ class CaptureStats:
         self._lock = threading.Lock()
         self._counts: collections.Counter[str] = collections.Counter()
         self._dropped: collections.Counter[str] = collections.Counter()
+        self._texts: dict[str, str] = {}
         self.started_at = time.time()
         self.status = "starting"
         """What this process is doing: `starting`, `capturing` or `dormant: <why>`."""
@@ -47,6 +48,11 @@ class CaptureStats:
         with self._lock:
             self._counts[name] = value
 
+    def set_text(self, name: str, value: str) -> None:
+        """A text gauge (e.g. a digest), shown as it is."""
+        with self._lock:
+            self._texts[name] = value
+
     def drop(self, reason: str) -> None:
         with self._lock:
             self._dropped[reason] += 1
@@ -59,6 +65,7 @@ class CaptureStats:
                 "started_at": self.started_at,
                 "updated_at": time.time(),
                 **{name: self._counts[name] for name in sorted(self._counts)},
+                **dict(sorted(self._texts.items())),
                 "dropped": dict(sorted(self._dropped.items())),
             }
 

@@ -99,3 +99,16 @@ def median_token_error(got: np.ndarray, want: np.ndarray) -> float:
     """Median over tokens of ||got_t - want_t|| / ||want_t||."""
     per_token = np.linalg.norm(got - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-12)
     return float(np.median(per_token))
+
+
+def resolved_record(collector: CollectorProcess, record_id: str, timeout_s: float = 60.0):
+    """The record with its shared-prefix blocks (or parts) joined in front, each read from the collector."""
+    from capture_format.prefix_blocks import resolve_prefix
+
+    def read_block(block_id: str):
+        try:
+            return stored_record(collector, block_id, timeout_s=10)
+        except AssertionError:
+            return None
+
+    return resolve_prefix(stored_record(collector, record_id, timeout_s), read_block)

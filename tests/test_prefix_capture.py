@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import capture_format as cf
-from capture_format.prefix_blocks import record_namespace, resolve_prefix
+from capture_format.prefix_blocks import record_namespace
 from capture_format.tag import CaptureTag
-from capture_helpers import aux_as_float, final_as_float, median_token_error, read_stats, stored_record, wait_for
+from capture_helpers import (aux_as_float, final_as_float, median_token_error, read_stats, resolved_record,
+                             stored_record, wait_for)
 from eagle_tap.sglang_server import post_json
 
 pytestmark = pytest.mark.sglang
@@ -36,15 +37,6 @@ def prefix_server(start_sglang, tiny_model_dir, collector, tmp_path_factory):
         "EAGLE_TAP_LIVE_SAMPLE_RATE": "1.0", "EAGLE_TAP_PREFIX_BLOCK_TOKENS": str(BLOCK)})
     return server, spool_dir
 
-
-def resolved_record(collector, record_id: str) -> cf.CaptureRecord:
-    def read_block(block_id: str):
-        try:
-            return stored_record(collector, block_id, timeout_s=10)
-        except AssertionError:
-            return None
-
-    return resolve_prefix(stored_record(collector, record_id), read_block)
 
 
 
