@@ -121,6 +121,28 @@ def test_epoch_plans_are_deterministic_disjoint_across_ranks_and_reshuffled_per_
     assert sorted(window for batch in packed for row in batch for window in row) == windows
 
 
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_batch_g_of_all_ranks_holds_the_rows_of_batch_g_of_one_process_with_the_global_batch(
+    packing: bool, world_size: int
+) -> None:
+    windows = [(i, 0, 5 + i % 7) for i in range(41)]  # rows of 5-11 positions: packing puts 1-3 in a row of 16
+
+    def plan(batch_size: int, rank: int, world: int) -> list[list[list[data.Window]]]:
+        config = data.Config(shards="unused", batch_size=batch_size, max_length=16, packing=packing, seed=5)
+        return data.plan_epoch(windows, config, 1, rank, world)
+
+    alone = plan(2 * world_size, 0, 1)
+    ranks = [plan(2, rank, world_size) for rank in range(world_size)]
+    assert len({len(batches) for batches in ranks}) == 1 and len(ranks[0]) >= len(alone) - 1
+    for number, batch in enumerate(ranks[0]):
+        together = [row for batches in ranks for row in batches[number]]
+        assert sorted(together) == sorted(alone[number])  # the same rows, each packed alike
+    if len(ranks[0]) < len(alone):  # the last global batch has fewer rows than ranks: some rank has none of it
+        assert len(alone[-1]) < world_size
+    assert any(len(row) > 1 for batch in alone for row in batch) == packing
+
+
 def _batches(dataset: data.ShardDataset, count: int, num_workers: int = 0) -> list[dict]:
     dataset.config.num_workers = num_workers
     loader = iter(data.make_loader(dataset))

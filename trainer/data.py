@@ -57,12 +57,17 @@ read: window k starts chains at its rows before its last L (at all of them in a 
 window), so every start row is counted once too (`start_mask`). M must exceed L.
 
 Batches. An epoch's plan is made from the index alone (token counts), so it is cheap and
-deterministic: windows (a record up to max_length rows is one window) are shuffled by (seed, epoch),
-dealt to ranks round-robin, and each rank groups its windows into batches of `batch_size` rows: one
-window per row (padding), or windows packed back to back into rows of up to `max_length` positions
-(packing; `doc_ids` keep windows apart, two windows of one record included). Every rank gets the
-same number of batches per epoch (the smallest count), so DDP ranks step together; windows, not
-records, are dealt, so a long record's windows may go to several ranks (each reads only its own). Batches are
+deterministic: windows (a record up to max_length rows is one window) are shuffled by (seed, epoch)
+and laid into rows: one window per row (padding), or windows packed back to back into rows of up to
+`max_length` positions (packing; `doc_ids` keep windows apart, two windows of one record included).
+The rows are dealt to ranks round-robin and each rank groups its rows into batches of `batch_size`.
+So batch g of N ranks together holds the rows of batch g of one process with batch_size N times as
+large, packed or not (the trainer then makes a DDP step equal that process's step: trainer/train.py).
+Every rank gets the same number of batches per epoch (the smallest count), so DDP ranks step
+together. The one difference from one process: when an epoch's last global batch has fewer rows
+than there are ranks, some rank has none of it, so the ranks drop it where one process trains on
+it, and from there the two runs read different batches. Rows, not records, are dealt, so a long
+record's windows may go to several ranks (each reads only its own). Batches are
 numbered globally across epochs; DataLoader worker w of W makes the batches g with g % W == w, so
 the loader yields them in order. The dataset's whole state is the number of batches consumed:
 resuming from it yields exactly the batches an uninterrupted run would have. A record whose
@@ -233,18 +238,20 @@ def plan_epoch(
     order = np.arange(len(windows))
     if config.shuffle:
         order = np.random.default_rng([config.seed, epoch]).permutation(len(windows))
-    shuffled = [windows[index] for index in order]
+    # Rows are packed before they are dealt, so batch g of the W ranks together is batch g of one process with
+    # W times the batch size: the same rows, whatever the packing.
+    rows = plan_rows([windows[index] for index in order], config)
     per_rank = []
     for other_rank in range(world_size):
-        rows = plan_rows(shuffled[other_rank::world_size], config)
-        per_rank.append([rows[start : start + config.batch_size] for start in range(0, len(rows), config.batch_size)])
+        mine = rows[other_rank::world_size]
+        per_rank.append([mine[start : start + config.batch_size] for start in range(0, len(mine), config.batch_size)])
     if not equal_per_rank:
         return per_rank[rank]
     num_batches = min(len(batches) for batches in per_rank)
     if num_batches == 0:
         raise ValueError(
-            f"{len(windows)} usable windows of records are too few for {world_size} ranks: some rank gets no batch; "
-            "capture more records or use fewer ranks"
+            f"{len(windows)} usable windows of records ({len(rows)} rows) are too few for {world_size} ranks: some "
+            "rank gets no batch; capture more records or use fewer ranks"
         )
     return per_rank[rank][:num_batches]
 

@@ -2,7 +2,9 @@
 
 Under torchrun (WORLD_SIZE > 1) the group uses gloo on CPU and nccl on GPU; each rank reads its own
 share of the shards (trainer/data.py), and the objective is wrapped in DDP, which averages
-gradients so every rank steps to the same weights (training checks this at the end).
+gradients so every rank steps to the same weights (training checks this at the end). Each rank's
+loss is normalised by the learned rows of all ranks' batches and scaled by the ranks, so that
+average is the gradient one process computes over the same global batch (trainer/train.py).
 
 Drafts too large for one device (FSDP, not wired in): the draft is one decoder layer, and its
 memory is the frozen embedding and target lm_head (V x H each, bf16), the draft lm_head (D x H)

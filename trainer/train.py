@@ -8,7 +8,10 @@ What must hold:
   of an uninterrupted run: checkpoints hold weights, optimizer, scheduler, data position and RNG,
   and the data order depends only on (seed, epoch, batch number);
 - under torchrun each rank reads its own records and DDP keeps weights equal; every rank writes a
-  digest of its final weights (final/weights-digest.rank<r>.json) so this can be checked;
+  digest of its final weights (final/weights-digest.rank<r>.json) so this can be checked. A step of N
+  ranks equals (within float rounding) the step of one process with N times the batch size: the ranks
+  together read that process's rows (trainer/data.py), each normalises its loss by the learned rows of
+  all ranks' batches, and metrics log the sum of the ranks' losses, the loss of the global batch;
 - a warm start (`init_from`: a run folder or an exported draft) starts the trainable weights from the
   source's, exactly (as stored: an export's bf16 values), with a fresh optimizer and schedule; a source
   whose draft shape, capture layers, target or vocab mapping differs from the run's is refused before
@@ -23,6 +26,7 @@ with SGLang's parameter names, the draft config.json, weight digests), record_id
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -286,15 +290,20 @@ def train_step(run: Run, batches: Iterator[dict[str, Any]]) -> tuple[dict[str, A
     run.optimizer.zero_grad(set_to_none=True)
     sums = torch.zeros(2 + 3 * num_steps, device=runtime.device)  # loss, windows, step losses, correct, total
     record_ids: list[str] = []
+    data_parallel = run.blocks is None and runtime.distributed
+    sum_over_ranks = functools.partial(distributed.all_reduce_sum, runtime=runtime) if data_parallel else None
     for micro in range(accumulation):
         batch = to_device(next(batches), runtime.device)
-        skip_sync = run.blocks is None and runtime.distributed and micro < accumulation - 1  # DDP syncs the last
+        skip_sync = data_parallel and micro < accumulation - 1  # DDP syncs the last
         with run.module.no_sync() if skip_sync else contextlib.nullcontext(), run.autocast():
+            # Either way out["loss"] is this rank's share: the ranks' shares sum to the loss of their batches as one.
             if run.blocks is None:
-                out = run.module(batch)
-            else:  # this rank's share of the loss: the ranks' shares sum to the window's
+                out = run.module(batch, sum_over_ranks=sum_over_ranks)
+            else:
                 out = run.module(sequence_parallel.pad_batch(batch, run.blocks.size), run.blocks)
-            (out["loss"] / accumulation).backward()
+            # DDP averages the ranks' gradients: times the ranks, the average is the sum, one process's gradient.
+            loss = out["loss"] * runtime.world_size if data_parallel else out["loss"]
+            (loss / accumulation).backward()
         run.next_batch += 1
         record_ids += batch["record_ids"]
         sums += torch.cat([(out["loss"].detach() / accumulation).view(1),  # (1,)
@@ -307,13 +316,10 @@ def train_step(run: Run, batches: Iterator[dict[str, Any]]) -> tuple[dict[str, A
     learning_rate = run.scheduler.get_last_lr()[0]
     run.optimizer.step()
     run.scheduler.step()
-    sums = distributed.all_reduce_sum(sums, runtime).cpu()
-    ranks = runtime.world_size
-    records = sums[1] / (ranks if run.blocks is not None else 1)  # sequence parallel: every rank read them
-    if run.blocks is not None:
-        ranks = 1  # each rank's loss is its share of the same windows' loss: their sum is the loss
+    sums = distributed.all_reduce_sum(sums, runtime).cpu()  # the ranks' shares of the loss sum to the loss
+    records = sums[1] / (runtime.world_size if run.blocks is not None else 1)  # sequence parallel: every rank read them
     correct, total = sums[2 + num_steps : 2 + 2 * num_steps], sums[2 + 2 * num_steps :]
-    metrics = {"loss": sums[0].item() / ranks, "step_losses": (sums[2 : 2 + num_steps] / ranks).tolist(),
+    metrics = {"loss": sums[0].item(), "step_losses": sums[2 : 2 + num_steps].tolist(),
                "step_accuracy": (correct / total.clamp(min=1)).tolist(), "num_loss_tokens": int(total[0]),
                "num_records": int(records), "learning_rate": learning_rate, "grad_norm": float(grad_norm),
                "epoch": batch["epoch"]}

@@ -19,7 +19,7 @@ Shape legend: B rows, S positions, H hidden, K capture layers, V target vocab, D
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,11 +113,17 @@ class Eagle3Objective(nn.Module):
             yield {"logits": logits, "target_p": shift_rows(target_p, step, 0.0)[:, :n], "counted": counted,
                    "learned": counted & shift_rows(in_vocab, step, False)[:, :n]}
 
-    def forward(self, batch: dict[str, Any], blocks: Any = None) -> dict[str, torch.Tensor]:
+    def forward(
+        self, batch: dict[str, Any], blocks: Any = None,
+        sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
         """The weighted loss (scalar) and, per step (J,): step_losses, correct and total (accuracy counts).
 
         Under sequence parallelism (blocks) each is this rank's share: summed over the ranks they make the
-        whole batch's (each step's loss is normalised by every rank's count of learned rows)."""
+        whole batch's (each step's loss is normalised by every rank's count of learned rows). Under data
+        parallelism (sum_over_ranks: sums a tensor over the ranks, each holding its own rows of the global
+        batch) the same holds for the loss and step_losses: summed over the ranks they are the loss of all
+        their rows taken as one batch, as one process computes it."""
         numerators, learned_counts, correct, total = [], [], [], []
         for out in self.unroll(batch, blocks):
             learned = out["learned"]  # (B, n)
@@ -130,6 +136,8 @@ class Eagle3Objective(nn.Module):
         counts = torch.stack(learned_counts).float()  # (J,)
         if blocks is not None:
             counts = blocks.all_reduce(counts)
+        elif sum_over_ranks is not None:
+            counts = sum_over_ranks(counts)
         step_losses = torch.stack(numerators) / counts.clamp(min=1)  # (J,)
         weights = self.config.step_weight ** torch.arange(len(step_losses), device=step_losses.device)  # (J,)
         return {
