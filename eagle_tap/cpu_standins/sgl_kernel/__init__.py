@@ -7,6 +7,7 @@ Beside it, one CPU-only measure that is not a stand-in: MLA models on torch_nati
 (`_eagle_tap_mla_cpu.py`).
 """
 
+import _eagle_tap_dp_attention_cpu
 import _eagle_tap_mla_cpu
 import _eagle_tap_speculative_cpu
 from _eagle_tap_kernels import (  # noqa: F401  (re-exported under their sgl_kernel names)
@@ -29,4 +30,5 @@ __version__ = "0.0.0"
 register_torch_ops()
 _eagle_tap_speculative_cpu.install()
 _eagle_tap_mla_cpu.install()
+_eagle_tap_dp_attention_cpu.install()
 install_stand_in(__import__(__name__))
