@@ -3,10 +3,11 @@
 The ops SGLang's EAGLE-3 speculative decoding calls on a CPU are implemented in plain torch
 (`_eagle_tap_kernels.py`) and the attention backend SGLang uses for it on a CPU is made available
 on CPUs without AMX (`_eagle_tap_speculative_cpu.py`); calling anything else raises `StandInCalledError`.
-Beside it, one CPU-only measure that is not a stand-in: MLA models on torch_native attention
-(`_eagle_tap_mla_cpu.py`).
+Beside it, two CPU-only measures that are not stand-ins: MLA models on torch_native attention
+(`_eagle_tap_mla_cpu.py`) and data-parallel attention / expert parallelism (`_eagle_tap_dp_attention_cpu.py`).
 """
 
+import _eagle_tap_dp_attention_cpu
 import _eagle_tap_mla_cpu
 import _eagle_tap_speculative_cpu
 from _eagle_tap_kernels import (  # noqa: F401  (re-exported under their sgl_kernel names)
@@ -29,4 +30,5 @@ __version__ = "0.0.0"
 register_torch_ops()
 _eagle_tap_speculative_cpu.install()
 _eagle_tap_mla_cpu.install()
+_eagle_tap_dp_attention_cpu.install()
 install_stand_in(__import__(__name__))
