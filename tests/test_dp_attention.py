@@ -34,18 +34,16 @@ pytestmark = pytest.mark.sglang
 
 FP32_REL_TOL = 1e-4
 NUM_DP_GROUPS = 2
-DP_ATTENTION_ARGS = ("--tp", "2", "--dp", str(NUM_DP_GROUPS), "--enable-dp-attention",
-                     "--dtype", "float32", "--max-total-tokens", "8192")
-ONE_CORE_PER_RANK = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}  # else SGLang refuses more ranks than NUMA nodes
+FP32_ARGS = ("--dtype", "float32", "--max-total-tokens", "8192")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Case:
     arch: str
-    extra_args: tuple[str, ...] = ()
+    ep: int = 1
 
 
-CASES = [Case(arch="deepseek_v3", extra_args=("--ep", "2")), Case(arch="qwen3")]
+CASES = [Case(arch="deepseek_v3", ep=2), Case(arch="qwen3")]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -64,10 +62,11 @@ def target(request, random_target, collector, tmp_path_factory):
     case: Case = request.param
     model_dir = random_target(case.arch)
     spool = tmp_path_factory.mktemp(f"spool-{case.arch}")
+    # tp 2 ranks, each its own core (the launcher sets SGLANG_CPU_OMP_THREADS_BIND), in 2 attention groups.
     server = SGLangServer(ServerConfig(
-        model_path=model_dir, extra_args=DP_ATTENTION_ARGS + case.extra_args,
+        model_path=model_dir, tp=2, dp=NUM_DP_GROUPS, dp_attention=True, ep=case.ep, extra_args=FP32_ARGS,
         log_path=tmp_path_factory.mktemp(f"dp-{case.arch}") / "server.log",
-        env={**ONE_CORE_PER_RANK, "EAGLE_TAP_COLLECTOR_URL": collector.url, "EAGLE_TAP_SPOOL_DIR": str(spool),
+        env={"EAGLE_TAP_COLLECTOR_URL": collector.url, "EAGLE_TAP_SPOOL_DIR": str(spool),
              "EAGLE_TAP_LIVE_SAMPLE_RATE": "1.0"}))
     try:
         server.start()
