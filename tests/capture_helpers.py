@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from capture_format import decode_frame, float32_from_bfloat16_bits
 from capture_format.tag import CaptureTag
@@ -112,3 +113,22 @@ def resolved_record(collector: CollectorProcess, record_id: str, timeout_s: floa
             return None
 
     return resolve_prefix(stored_record(collector, record_id, timeout_s), read_block)
+
+
+def hf_greedy(hf_model, input_ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([input_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(input_ids):].tolist()
+
+
+def check_rows_equal_transformers(record, hf_model, what: str, tolerance: float = 1e-4) -> None:
+    """Every aux slot and the final state of an fp32 `record` within `tolerance` (relative) of HF's fp32 forward
+    over its token ids."""
+    ids = record.token_ids.tolist()[:record.num_states]
+    with torch.no_grad():
+        hidden = hf_model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    hidden = torch.stack([state[0] for state in hidden]).numpy()  # (L + 1, T, H): [c] = input of layer c
+    aux = aux_as_float(record)  # (T, K, H)
+    errors = [relative_error(aux[:, slot], hidden[layer]) for slot, layer in enumerate(record.capture_layers)]
+    errors.append(relative_error(final_as_float(record), hidden[-1]))
+    assert record.dtype == "float32" and max(errors) <= tolerance, (what, errors)

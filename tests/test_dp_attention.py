@@ -27,12 +27,11 @@ import numpy as np
 import pytest
 import torch
 
-from capture_helpers import aux_as_float, final_as_float, generate, read_stats, relative_error, stored_record, wait_for
+from capture_helpers import check_rows_equal_transformers, generate, hf_greedy, read_stats, stored_record, wait_for
 from eagle_tap.sglang_server import ServerConfig, SGLangServer, post_json
 
 pytestmark = pytest.mark.sglang
 
-FP32_REL_TOL = 1e-4
 NUM_DP_GROUPS = 2
 FP32_ARGS = ("--dtype", "float32", "--max-total-tokens", "8192")
 
@@ -78,24 +77,6 @@ def target(request, random_target, collector, tmp_path_factory):
 
 def random_ids(seed: int, num_tokens: int) -> list[int]:
     return np.random.default_rng(seed).integers(7, 4096, num_tokens).tolist()  # past the special tokens
-
-
-def hf_greedy(hf_model, input_ids: list[int], max_new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([input_ids]), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(input_ids):].tolist()
-
-
-def check_rows_equal_transformers(record, hf_model, what: str) -> None:
-    """Every aux slot and the final state of `record` within FP32_REL_TOL of HF's forward over its token ids."""
-    ids = record.token_ids.tolist()[:record.num_states]
-    with torch.no_grad():
-        hidden = hf_model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-    hidden = torch.stack([state[0] for state in hidden]).numpy()  # (L + 1, T, H): [c] = input of layer c
-    aux = aux_as_float(record)  # (T, K, H)
-    errors = [relative_error(aux[:, slot], hidden[layer]) for slot, layer in enumerate(record.capture_layers)]
-    errors.append(relative_error(final_as_float(record), hidden[-1]))
-    assert record.dtype == "float32" and max(errors) <= FP32_REL_TOL, (what, errors)
 
 
 def dp_stats(spool: Path) -> dict[str, dict]:

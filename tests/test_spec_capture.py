@@ -29,7 +29,8 @@ from eagle_tap.served.draft import DraftMismatchError, SpeculativeConfig
 from eagle_tap.served.swap import swap_draft, weights_checksum
 from sglang_patch.selection import is_sampled
 from sglang_patch.speculative import METADATA_KEY, accepted_from_metadata
-from test_prefix_capture import check_against_transformers, resolved_record
+from capture_helpers import resolved_record
+from test_prefix_capture import check_against_transformers
 from test_trainer_export import trained_run
 
 pytestmark = pytest.mark.sglang
