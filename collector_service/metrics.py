@@ -55,6 +55,14 @@ class _StatsCollector:
         yield rejects
         yield GaugeMetricFamily(f"{_PREFIX}_up", "1 while the writer can write, 0 after a storage failure.",
                                 value=0 if stats["failed_reason"] else 1)
+        parts = stats["parts"]
+        yield GaugeMetricFamily(f"{_PREFIX}_part_captures_open",
+                                "Captures sent in parts whose record has not closed them yet.", value=parts["open_captures"])
+        for key, name, help_text in (
+                ("parts_staged", "parts_kept", "Parts of captures kept until their record comes."),
+                ("captures_closed", "part_captures_closed", "Captures sent in parts stored whole."),
+                ("captures_expired", "part_captures_expired", "Captures whose parts were removed, never closed.")):
+            yield CounterMetricFamily(f"{_PREFIX}_{name}", help_text, value=parts[key])
         upload = stats.get("upload")
         if upload is not None:  # only with upload_to
             yield GaugeMetricFamily(f"{_PREFIX}_upload_pending_shards",

@@ -22,11 +22,21 @@ states for all but the last token (no forward ran on it). A retracted request (i
 memory pressure) is prefilled again later over prompt + tokens so far; the rows it already has are
 kept and only rows past them are taken from the new prefill.
 
+A long capture is sent in parts (`capture_format.parts`): once a capture holds more rows than a part
+(`part_max_tokens`, `part_max_bytes`), the oldest part's rows go to the sender as a part of their own,
+and in prefix mode each of the plan's blocks goes as soon as its rows are held; the record that ends
+the capture refers to the last of them and holds only the rows after it. A retracted request keeps
+what it sent: its new prefill's rows before the first row still held are not taken again.
+
 What must hold:
 - a record holds exactly the rows of its own request, for every token of the sequence (but the
-  last, in generate mode), in order; anything else (a first chunk with a cached prefix, a gap, a
-  chunk that never comes, an aborted request, a row count that disagrees with the tokens at the
-  end) drops the capture with a counted reason and never emits it;
+  last, in generate mode), in order, with the parts sent before it; anything else (a first chunk with
+  a cached prefix, a gap, a chunk that never comes, an aborted request, a row count that disagrees
+  with the tokens at the end) drops the capture with a counted reason and never emits its record
+  (parts already sent are then never closed: the collector removes them after its part timeout);
+- a capture holds at most one part's rows plus one forward's (`most_rows_held` in the stats); parts
+  are cut only within the tokens the request already has, and never take its newest row (nor, in
+  generate mode, the one before: the overlap scheduler may run a step past the last token);
 - the only work done here is copying the captured rows off the device, once per forward for all
   captured requests (`device_copy.py`: never waits for the device on CUDA); compression and I/O
   happen in the sender thread;
@@ -75,7 +85,9 @@ class CapturedSequence:
     parts_before: int = 0
     """The record closes this many parts sent before it; its chunks hold the rows from rows_start on."""
     rows_start: int | None = None
-    """The token of the chunks' first row, when parts were cut from the capture (else from prefix)."""
+    """The token of the chunks' first row, when rows were sent ahead of these (else from prefix)."""
+    block_ends: tuple[int, ...] | None = None
+    """Blocks only: the ends of the plan's blocks these chunks hold (None: all of prefix.sent_here)."""
 
     @property
     def first_row(self) -> int:
@@ -350,20 +362,12 @@ class CaptureAssembler:
             return True
         plan = partial.prefix
         if plan is not None and not partial.plan_sent:
-            # The plan's blocks first (other records may refer to them); its rows are held until the last one.
-            if partial.rows_end <= plan.record_prefix:
+            # The plan's blocks first (other records may refer to them), each as soon as its rows are held.
+            upto = min(partial.rows_end, plan.record_prefix) // plan.block_tokens * plan.block_tokens
+            if upto > partial.chunks_start and not self._send_blocks(partial, req.origin_input_ids, upto):
+                return self._drop_streaming(req.rid, now)
+            if not partial.plan_sent:  # the rest of the plan's rows (less than a block) are still to come
                 return True
-            if plan.sent_here:
-                prompt = _token_ids(req, plan.record_prefix)
-                blocks = CapturedSequence(tag=partial.tag, token_ids=prompt, loss_spans=(), metadata={},
-                                          chunks=partial.take_rows(plan.sent_here[-1]), num_states=plan.sent_here[-1],
-                                          prefix=plan, blocks_only=True)
-                if self._emit(blocks) is False:
-                    return self._drop_streaming(req.rid, now)
-            if partial.chunks_start < plan.record_prefix:  # rows of blocks promised by other captures
-                for chunk in partial.take_rows(plan.record_prefix):
-                    chunk.release()
-            partial.plan_sent = True
         while partial.num_rows >= self._part_rows(partial) + spare:
             start = partial.chunks_start
             end = start + self._part_rows(partial)
@@ -377,6 +381,25 @@ class CaptureAssembler:
                 return self._drop_streaming(req.rid, now)
             partial.num_parts += 1
             self._stats.add("parts_cut")
+        return True
+
+    def _send_blocks(self, partial: _Partial, prompt, upto: int) -> bool:
+        """Hands the sender the plan's blocks this capture sends that end by upto (a block end, at most the
+        plan's last, with every row up to it held) and drops the rows before upto. False when the sender had
+        no room (counted there)."""
+        plan = partial.prefix
+        ends = tuple(end for end in plan.sent_here if partial.chunks_start < end <= upto)
+        if ends:
+            start = partial.chunks_start
+            blocks = CapturedSequence(tag=partial.tag, token_ids=list(prompt[: plan.record_prefix]), loss_spans=(),
+                                      metadata={}, chunks=partial.take_rows(ends[-1]), num_states=ends[-1], prefix=plan,
+                                      blocks_only=True, block_ends=ends, rows_start=start)
+            if self._emit(blocks) is False:
+                return False
+        if partial.chunks_start < upto:  # rows of blocks promised by other captures: theirs send them
+            for chunk in partial.take_rows(upto):
+                chunk.release()
+        partial.plan_sent = upto == plan.record_prefix
         return True
 
     def _drop_streaming(self, rid: str, now: float) -> bool:
@@ -473,7 +496,13 @@ class CaptureAssembler:
         self._stats.add("captured_tokens", len(token_ids))
         if partial.tag.metadata.get("source") == "live":
             self._stats.add("captured_live")
-        if partial.plan_sent or partial.num_parts:  # its blocks and parts went ahead of it
+        if partial.chunks_start != partial.first_row or partial.num_parts or partial.plan_sent:
+            # Blocks or parts went ahead of it: the plan's last blocks go now, then the record of the rest.
+            plan = partial.prefix
+            if plan is not None and not partial.plan_sent and not self._send_blocks(partial, token_ids,
+                                                                                     plan.record_prefix):
+                partial.release()
+                return
             self._emit(CapturedSequence(tag=partial.tag, token_ids=token_ids, chunks=partial.chunks, loss_spans=spans,
                                         num_states=num_states, metadata=metadata, parts_before=partial.num_parts,
                                         rows_start=partial.chunks_start))
@@ -497,11 +526,7 @@ class CaptureAssembler:
         prefix = partial.prefix
         if (req is not None and prefix is not None and prefix.sent_here and not partial.plan_sent
                 and partial.rows_end >= prefix.sent_here[-1]):
-            prompt = list(req.origin_input_ids)
-            self._emit(CapturedSequence(tag=partial.tag, token_ids=prompt, chunks=partial.chunks, loss_spans=(),
-                                        num_states=prefix.sent_here[-1], metadata={}, prefix=prefix,
-                                        blocks_only=True))
-            return
+            self._send_blocks(partial, req.origin_input_ids, prefix.sent_here[-1])
         partial.release()
 
     def _abandon(self, rid: str, reason: str, now: float) -> None:

@@ -11,7 +11,10 @@ What must hold:
   behind it;
 - a frame the collector rejects as bad (4xx) is dropped and counted, not retried forever;
 - re-sending is safe: the collector acknowledges a record id it already has as a duplicate;
-- a capture's host buffers are released once its frame is encoded (or it is dropped).
+- a capture's host buffers are released once its frame is encoded (or it is dropped);
+- the parts of a capture sent in parts are encoded in order, and its record carries the digest of exactly
+  the part frames encoded for it (`capture_format.parts`); a record whose parts were not all encoded here
+  is dropped and counted (`part_lost`), never sent to close parts it does not have.
 """
 
 from __future__ import annotations
@@ -84,7 +87,8 @@ def to_records(captured: CapturedSequence, model: ModelIdentity, parts_digest: s
               "hidden_size": model.hidden_size, "dtype": dtype_name}
     plan, first_row = captured.prefix, captured.first_row
     namespace = states_namespace(model.model_fingerprint, model.capture_layers, model.hidden_size, dtype_name)
-    if captured.part_index is not None or captured.parts_before:
+    if captured.part_index is not None or (captured.rows_start is not None and not captured.blocks_only):
+        # a part, or the record after its blocks or parts went ahead
         return [_part_or_closing(captured, token_ids, aux, final, shared, namespace, parts_digest)]
     keys: dict[int, str] = {}  # block end -> content key of the states of token_ids[:end] (this model's)
     if plan is not None and plan.keys:
@@ -98,7 +102,7 @@ def to_records(captured: CapturedSequence, model: ModelIdentity, parts_digest: s
 
     records = []
     if plan is not None:
-        for end in plan.sent_here:
+        for end in plan.sent_here if captured.block_ends is None else captured.block_ends:
             start = end - plan.block_tokens
             rows = slice(start - first_row, end - first_row)
             block_id = block_record_id(keys[end])
@@ -118,7 +122,8 @@ def to_records(captured: CapturedSequence, model: ModelIdentity, parts_digest: s
 
 def _part_or_closing(captured: CapturedSequence, token_ids: np.ndarray, aux: np.ndarray, final: np.ndarray,
                      shared: dict, namespace: str, parts_digest: str | None) -> CaptureRecord:
-    """A part (rows [first_row, end) of tokens token_ids[:end]), or the record closing the parts before it."""
+    """A part (rows [first_row, end) of tokens token_ids[:end]), or the record holding the rows from first_row on,
+    closing the parts before it (if any)."""
     start = captured.first_row
     reference = StatesPrefix(prefix_key(token_ids[:start], namespace), start) if start else None
     if captured.part_index is not None:
@@ -126,12 +131,14 @@ def _part_or_closing(captured: CapturedSequence, token_ids: np.ndarray, aux: np.
         return CaptureRecord(record_id=block_id, sample_id=block_id, token_ids=token_ids, loss_spans=(),
                              aux=aux, final=final, metadata=part_metadata(captured.tag.record_id, captured.part_index),
                              states_prefix=reference, **shared)
-    if parts_digest is None:
-        raise ValueError(f"it closes {captured.parts_before} parts and their digest is unknown")
+    metadata = captured.metadata
+    if captured.parts_before:
+        if parts_digest is None:
+            raise ValueError(f"it closes {captured.parts_before} parts and their digest is unknown")
+        metadata = closing_metadata(metadata, captured.parts_before, parts_digest)
     return CaptureRecord(
         record_id=captured.tag.record_id, sample_id=captured.tag.sample_id, token_ids=token_ids,
-        loss_spans=captured.loss_spans, aux=aux, final=final, states_prefix=reference,
-        metadata=closing_metadata(captured.metadata, captured.parts_before, parts_digest), **shared)
+        loss_spans=captured.loss_spans, aux=aux, final=final, states_prefix=reference, metadata=metadata, **shared)
 
 
 class Sender:

@@ -93,3 +93,9 @@ def final_as_float(record) -> np.ndarray:
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12))
+
+
+def median_token_error(got: np.ndarray, want: np.ndarray) -> float:
+    """Median over tokens of ||got_t - want_t|| / ||want_t||."""
+    per_token = np.linalg.norm(got - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-12)
+    return float(np.median(per_token))

@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 import torch
 
-from capture_helpers import aux_as_float, final_as_float, generate, read_stats, relative_error, stored_record, wait_for
+from capture_helpers import (aux_as_float, final_as_float, generate, median_token_error,
+                             read_stats, relative_error, stored_record, wait_for)
 from eagle_tap.sglang_server import ServerConfig, SGLangServer
 from eagle_tap.tiny_model import TINY_MODEL_DIR
 
@@ -106,11 +107,6 @@ def hf_hidden_states(hf_model, input_ids: list[int]) -> np.ndarray:
         hidden = hf_model(torch.tensor([input_ids]), output_hidden_states=True).hidden_states
     return torch.stack([state[0] for state in hidden]).float().numpy()
 
-
-def median_token_error(got: np.ndarray, want: np.ndarray) -> float:
-    """Median over tokens of ||got_t - want_t|| / ||want_t||."""
-    per_token = np.linalg.norm(got - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-12)
-    return float(np.median(per_token))
 
 
 def layer_errors(record, hidden: np.ndarray, metric) -> tuple[list[float], list[float], float]:

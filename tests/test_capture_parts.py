@@ -118,6 +118,9 @@ def test_a_resent_part_is_kept_once_and_the_record_is_stored_once(collector) -> 
     stats = collector.stats()
     assert stats["parts"]["parts_staged"] == 2 and stats["parts"]["captures_closed"] == 1
     assert stats["num_records"] == 3 and stats["parts"]["open_captures"] == 0
+    metrics = collector.client.get("/metrics").text
+    assert "eagle_tap_collector_part_captures_closed_total 1.0" in metrics
+    assert "eagle_tap_collector_part_captures_open 0.0" in metrics
 
 
 def test_a_record_missing_a_part_is_refused_and_unclosed_parts_expire(collector, tmp_path) -> None:
@@ -152,3 +155,102 @@ def test_parts_of_another_attempt_do_not_close_a_record(collector) -> None:
 def bf16_values(states: np.ndarray) -> np.ndarray:
     """bf16 bit patterns (uint16) as float32."""
     return torch.from_numpy(states.view(np.int16).copy()).view(torch.bfloat16).float().numpy()
+
+
+# The assembler alone: what it hands the sender, joined back part by part.
+
+def joined(emitted: list[CapturedSequence], record_id: str) -> tuple[torch.Tensor, CapturedSequence]:
+    """The aux rows of a capture's parts and record, in order, after checking they follow one another."""
+    mine = [captured for captured in emitted if captured.tag.record_id == record_id and not captured.blocks_only]
+    *parts, record = mine
+    assert [part.part_index for part in parts] == list(range(len(parts))) and record.parts_before == len(parts)
+    auxes, end = [], parts[0].first_row if parts else record.first_row
+    for captured in mine:
+        assert captured.first_row == end, "a part does not start where the one before it ended"
+        aux, _ = captured.states()
+        auxes.append(aux)
+        end = captured.num_states
+    return torch.cat(auxes), record
+
+
+def test_a_long_generation_retracted_midway_keeps_the_parts_it_sent(tmp_path) -> None:
+    from test_plugin_assembler import GeneratingReq, batch, decode_rows, rows, sample
+
+    emitted: list[CapturedSequence] = []
+    stats = CaptureStats()
+    asm = CaptureAssembler(stats=stats, emit=emitted.append, part_max_tokens=4)
+    req = GeneratingReq(0, 10)  # number 0: every row holds its position, exact in bf16
+    asm.selector.on_request(SimpleNamespace(rid=req.rid, sampling_params=req.sampling_params, cache_salt=None,
+                                            input_embeds=None, mm_inputs=None))
+    asm.on_extend(*batch([(req, 0, 0, 10)]))
+    sample(asm, [req])
+    for _ in range(7):
+        asm.on_decode(*decode_rows([(req, 0)]))
+        sample(asm, [req])
+    sent_before = len(emitted)
+    # Retracted, then prefilled again from scratch over its 17 tokens: rows already sent are not taken again.
+    asm.on_extend(*batch([(req, 0, 0, len(req.full_untruncated_fill_ids))]))
+    sample(asm, [req])
+    for step in range(3):
+        asm.on_decode(*decode_rows([(req, 0)]))
+        sample(asm, [req], finish={"rid-0"} if step == 2 else set())
+    aux, record = joined(emitted, "rec-0")
+    assert sent_before >= 3 and stats.snapshot()["restarted"] == 1
+    assert len(record.token_ids) == 10 + 12 and record.num_states == 21
+    assert aux[:, 0].tolist() == list(range(21))
+    assert stats.snapshot()["most_rows_held"] <= 4 + 10  # a part plus the largest forward's rows
+
+
+def test_a_plans_blocks_go_as_their_rows_come_and_the_records_resolve() -> None:
+    """Shared-prefix blocks of a long prompt leave as soon as their rows are held (a prompt's blocks cover
+    all but its last few tokens, so holding them until the end would hold the whole prompt)."""
+    from capture_format.prefix_blocks import resolve_prefix
+    from sglang_patch.selection import Selector
+    from test_prefix_blocks import arrival
+
+    emitted: list[CapturedSequence] = []
+    stats = CaptureStats()
+    selector = Selector(stats=stats, sample_rate=1.0, live_sample_rate=1.0, prefix_block_tokens=8)
+    asm = CaptureAssembler(stats=stats, emit=emitted.append, selector=selector, part_max_tokens=8)
+    system = list(range(500, 520))  # blocks end at 8 and 16 in both prompts
+    prompts = {"one": system + list(range(600, 640)), "two": system + list(range(700, 730))}
+    for name, ids in prompts.items():
+        tag = CaptureTag(record_id=name, sample_id=name, loss_spans=((20, len(ids)),))
+        req = SimpleNamespace(rid=f"rid-{name}", origin_input_ids=ids, output_ids=[], full_untruncated_fill_ids=ids)
+        selector.on_request(arrival(req.rid, ids, tag))
+        first = 16 if name == "two" else 0  # the second reuses the first's blocks: its prefill starts there
+        for start in range(first, len(ids), 12):
+            count = min(12, len(ids) - start)
+            asm.on_extend([req], [start], [count], *token_rows(start, count))
+    assert [len(captured.block_ends) for captured in emitted if captured.blocks_only] == [1, 2, 1, 2, 1, 1, 2, 1]
+    assert stats.snapshot()["most_rows_held"] <= 8 + 12  # never the whole prompt
+    records = [record for captured in emitted for record in to_records(captured, MODEL)]
+    blocks = {record.record_id: record for record in records if is_prefix_block(record.record_id)}
+    assert len(blocks) == 7 + 4  # "one": 8..56; "two": 24..48 (8 and 16 reused)
+    for name, ids in prompts.items():
+        stored = next(record for record in records if record.record_id == name)
+        assert stored.states_prefix.num_tokens == (len(ids) - 1) // 8 * 8
+        whole = resolve_prefix(stored, blocks.get)
+        assert whole.token_ids.tolist() == ids
+        assert np.array_equal(bf16_values(whole.final)[:, 0], np.arange(len(ids), dtype=np.float32))
+    assert stats.snapshot()["dropped"] == {}
+
+
+def test_verified_rows_of_a_replica_serving_a_draft_go_in_parts_too() -> None:
+    from test_spec_capture_units import CHAIN, SpecReq, prefill as spec_prefill, verify
+
+    emitted: list[CapturedSequence] = []
+    stats = CaptureStats()
+    asm = CaptureAssembler(stats=stats, emit=emitted.append, served_draft=lambda: ("d" * 32, CHAIN), part_max_tokens=5)
+    req = SpecReq(1, 12)
+    asm.selector.on_request(SimpleNamespace(rid=req.rid, sampling_params=req.sampling_params, cache_salt=None,
+                                            input_embeds=None, mm_inputs=None))
+    spec_prefill(asm, [req])
+    accepted = [3, 0, 2, 3, 1, 3, 3, 0]
+    for step, count in enumerate(accepted):
+        verify(asm, [req], [count], finish={req.rid} if step == len(accepted) - 1 else set())
+    aux, record = joined(emitted, "rec-1")
+    assert record.parts_before >= 4 and record.num_states == len(record.token_ids) - 1
+    assert aux[:, 0].tolist() == [1000.0 + position for position in range(record.num_states)]
+    assert record.metadata["served_draft"]["accepted_per_step"] == "".join(map(str, accepted))
+    assert stats.snapshot()["dropped"] == {}

@@ -22,7 +22,8 @@ import torch
 
 from capture_format import ShardDirectory
 from capture_format.tag import CaptureTag
-from capture_helpers import aux_as_float, final_as_float, locate, read_stats, relative_error, wait_for
+from capture_helpers import (aux_as_float, final_as_float, locate,
+                             median_token_error, read_stats, relative_error, wait_for)
 from eagle_tap.collector_process import CollectorProcess
 from eagle_tap.sglang_server import post_json
 from sglang_patch.selection import live_record_id
@@ -94,10 +95,6 @@ def resolved(collector: CollectorProcess, record_id: str):
 
     return wait_for(sealed, 30, f"{record_id} in a sealed shard")
 
-
-def median_token_error(got: np.ndarray, want: np.ndarray) -> float:
-    per_token = np.linalg.norm(got - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-12)
-    return float(np.median(per_token))
 
 
 def test_a_long_generation_is_captured_in_parts_tagged_and_live_equal_to_a_prefill_capture_and_transformers(

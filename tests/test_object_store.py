@@ -146,6 +146,29 @@ def test_collector_uploads_checks_and_removes_local_copies_and_still_dedupes(s3:
     assert record_ids_in(url) == Counter([*frames, "rec-new"])
 
 
+def test_a_record_captured_in_parts_is_uploaded_with_its_parts_and_read_back_whole(s3: S3Server, tmp_path: Path) -> None:
+    from test_capture_parts import bf16_values, part_frames
+
+    url = f"s3://{new_bucket(s3, 'parts')}/captures"
+    parts, closing = part_frames("long-remote", 60, 10)  # five parts and the record
+    with ThreadedCollector(data_dir=tmp_path / "data", upload_to=url, collector_id="pa", seal_after_bytes=4_000,
+                           upload_retry_initial_s=0.1) as collector:
+        for frame in parts:
+            assert collector.post(frame).status_code == 201
+        assert collector.stats()["num_records"] == 0  # kept apart until the record closes them
+        assert collector.post(closing).status_code == 201
+        assert collector.stats()["num_records"] == 6 and collector.stats()["parts"]["captures_closed"] == 1
+    assert not any((tmp_path / "data" / "parts").iterdir())
+    with cf.open_shard_directory(url) as shards:
+        assert len(shards.shards) >= 2  # the parts lie in more than one shard object
+        (entry,) = shards.iter_index()
+        record = shards.read_record(entry)
+        window = shards.read_window(entry, 25, 45)
+    assert record.token_ids.tolist() == list(range(2000, 2060))
+    assert bf16_values(record.final)[:, 0].tolist() == list(range(60))
+    assert bf16_values(window.final)[:, 0].tolist() == list(range(25, 45))
+
+
 def test_an_unreachable_bucket_keeps_shards_local_until_it_answers(s3: S3Server, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     late = S3Server(port=free_port(), log_path=tmp_path / "late-moto.log")  # nothing listens there yet
@@ -329,7 +352,7 @@ def test_each_rank_fetches_only_its_own_records(training_bucket: dict[str, str],
 
     read, cached = [], []
     for rank in range(2):
-        config = data.Config(shards=training_bucket["train_shards"], batch_size=4, max_length=128,
+        config = data.Config(shards=training_bucket["train_shards"], batch_size=4, max_length=256,  # a window each
                              cache_dir=str(tmp_path / f"cache-{rank}"))
         dataset = data.ShardDataset(config, rank=rank, world_size=2, num_epochs=1)
         read.append({record_id for batch in data.make_loader(dataset) for record_id in batch["record_ids"]})

@@ -17,7 +17,7 @@ import torch
 import capture_format as cf
 from capture_format.prefix_blocks import record_namespace, resolve_prefix
 from capture_format.tag import CaptureTag
-from capture_helpers import aux_as_float, final_as_float, read_stats, stored_record, wait_for
+from capture_helpers import aux_as_float, final_as_float, median_token_error, read_stats, stored_record, wait_for
 from eagle_tap.sglang_server import post_json
 
 pytestmark = pytest.mark.sglang
@@ -46,10 +46,6 @@ def resolved_record(collector, record_id: str) -> cf.CaptureRecord:
 
     return resolve_prefix(stored_record(collector, record_id), read_block)
 
-
-def median_token_error(got: np.ndarray, want: np.ndarray) -> float:
-    per_token = np.linalg.norm(got - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-12)
-    return float(np.median(per_token))
 
 
 def test_sampled_chats_keep_cache_hits_on_shared_blocks_and_resolve_to_the_models_states(

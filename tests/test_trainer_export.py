@@ -137,7 +137,7 @@ def sglang_check(export_dir: str, record_shards: str, port: int) -> dict:
 
     with cf.ShardDirectory(record_shards) as shards:
         record = shards.read_record(next(shards.iter_index()))
-    rows = data.shift_record(record, max_length=128)
+    rows = {name: value[:128] for name, value in data.shift_record(record).items()}
     aux = torch.from_numpy(rows["aux"].astype("float32"))  # (T, K*H)
     input_ids = torch.from_numpy(rows["input_ids"])  # (T,)
     positions = torch.arange(len(input_ids))  # (T,)

@@ -48,12 +48,12 @@ def test_a_selection_is_read_in_its_order_and_split_between_ranks(tmp_path: Path
     shards = trainer_data.prepared_inputs()["heldout_shards"]  # rec-00064 .. rec-00079
     chosen = ["rec-00077", "rec-00064", "rec-00070", "rec-00071", "rec-00066", "rec-00079", "rec-00065", "rec-00072"]
     ids_file = write_ids(tmp_path / "ids.txt", chosen)
-    config = data.Config(shards=str(shards), batch_size=3, max_length=64, shuffle=False, record_ids=str(ids_file))
+    config = data.Config(shards=str(shards), batch_size=3, max_length=256, shuffle=False, record_ids=str(ids_file))
     dataset = data.ShardDataset(config, num_epochs=1, equal_per_rank=False)
     assert [entry.record_id for entry in dataset.entries] == chosen
     assert [record_id for batch in data.make_loader(dataset) for record_id in batch["record_ids"]] == chosen
 
-    shuffled = data.Config(shards=str(shards), batch_size=2, max_length=64, record_ids=str(ids_file))
+    shuffled = data.Config(shards=str(shards), batch_size=2, max_length=256, record_ids=str(ids_file))
     read = [{record_id for batch in data.make_loader(data.ShardDataset(shuffled, rank=rank, world_size=2,
                                                                        num_epochs=1))
              for record_id in batch["record_ids"]} for rank in range(2)]
@@ -102,7 +102,7 @@ def test_a_selection_from_a_bucket_fetches_only_the_chosen_records(training_buck
     ids_file = write_ids(tmp_path / "ids.txt", chosen)
     read = []
     for rank in range(2):
-        config = data.Config(shards=training_bucket["train_shards"], batch_size=3, max_length=64,
+        config = data.Config(shards=training_bucket["train_shards"], batch_size=3, max_length=256,
                              record_ids=str(ids_file), cache_dir=str(tmp_path / f"cache-{rank}"))
         dataset = data.ShardDataset(config, rank=rank, world_size=2, num_epochs=1)
         read.append({record_id for batch in data.make_loader(dataset) for record_id in batch["record_ids"]})

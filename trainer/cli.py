@@ -76,6 +76,8 @@ def _train(args: argparse.Namespace) -> int:
             raise ValueError("--init-from starts a new run from other weights; --resume/--resume-from continue this "
                              "run from its checkpoint (whose weights already started from its init_from): give one")
         config = dataclasses.replace(config, init_from=args.init_from, init_from_sha256=None)
+    if args.sequence_parallel is not None:
+        config = dataclasses.replace(config, sequence_parallel=args.sequence_parallel)
     summary = train(config, resume=args.resume_from or args.resume)
     print(json.dumps(summary))
     return 0
@@ -161,6 +163,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                        help="warm start: a training run's out_dir or an exported draft folder whose weights start "
                        "this run (fresh optimizer; it must fit the draft config, target and vocab mapping); sets "
                        "init_from over the config file; not with --resume")
+    train.add_argument("--sequence-parallel", type=int, metavar="N",
+                       help="split each window's positions over N ranks (torchrun --nproc-per-node N; one replica, "
+                       "no DDP), for windows too long for one device; sets sequence_parallel over the config file")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config settings")
     train.set_defaults(run=_train)
 
@@ -187,7 +192,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                             "required for an exported draft)")
     evaluation.add_argument("--max-records", type=int, help="evaluate at most about this many records")
     evaluation.add_argument("--batch-size", type=int, default=8, help="records per batch")
-    evaluation.add_argument("--max-length", type=int, default=2048, help="positions per record (longer ones are cut)")
+    evaluation.add_argument("--max-length", type=int, default=2048, help="rows per window: a longer record is read as windows, each of its positions counted once")
     evaluation.add_argument("--served-max-new-tokens", type=int,
                             help="the served walk covers this many tokens of each last turn, as eval-served "
                             "--max-new-tokens generates (default: the whole turn)")

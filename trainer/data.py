@@ -1,11 +1,11 @@
-"""Training batches from capture shards: the read-time shift, batch plans, and a resumable dataset.
+"""Training batches from capture shards: the read-time shift, windows, batch plans, and a resumable dataset.
 
-The shift (`shift_record`, the only place it happens). A record holds the sequence as the server
+The shift (`shift_window`, the only place it happens). A record holds the sequence as the server
 saw it. Row r of the draft's input pairs the target's state at position r with the embedding of
 the NEXT token r+1, and predicts token r+2, whose target distribution is
 softmax(lm_head(final[r+1])) (SGLang's draft-extend rotates input ids left by one the same way).
 The loss mask of row r is the record's mask at the predicted token r+2 (loss spans mark the
-tokens the draft learns to predict). A record of T tokens gives T-1 rows; the last row's token
+tokens the draft learns to predict). A record of T tokens gives n = T-1 rows; the last row's token
 r+2 lies past the record, so its mask is 0. Worked example, T = 5, loss span (2, 5):
 
     record  t           0    1    2    3    4
@@ -17,29 +17,56 @@ r+2 lies past the record, so its mask is 0. Worked example, T = 5, loss span (2,
     rows    r                        0    1    2    3
             aux         aux[r]       A0   A1   A2   A3
             input_ids   ids[r+1]     b    c    d    e
-            final       final[r+1]   F1   F2   F3   F4   -> target distribution of c, d, e, (past e)
+            final       final[r+1]   F1   F2   F3   0    -> target distribution of c, d, e; none past e
             loss_mask   mask[r+2]    1    1    1    0
             label_ids   ids[r+2]     c    d    e    -1
             positions   r            0    1    2    3
 
-A record whose last token has no state (S = T - 1 rows of states: the server sampled that token and
-never ran a forward on it) gives the same T - 1 rows. Only its last row, r = T - 2, would read the
-missing final[T - 1]; that row predicts token T, past the record, so its mask is 0 and its target is
-never read: it gets zeros. aux[T - 1] is never read by any record. So such a record trains exactly
-like a prefill capture of the same T tokens, including on its last token (often the end of turn).
+The last row, r = T - 2, predicts token T, past the record: its mask is 0, its target is never read,
+and its final is zeros. So a record whose last token has no state (S = T - 1 rows of states: the
+server sampled that token and never ran a forward on it) gives the same T - 1 rows as a prefill
+capture of the same T tokens: only that row would read the missing final[T - 1], and aux[T - 1] is
+never read by any record. It trains on its last token too (often the end of turn).
 
 Test-time-training step i (trainer/ttt.py) reads row r + i of the same record for input ids,
 targets and mask, at position r + i, with the draft's own hidden state of row r.
 
+Windows: every token of a long record is trained. A record of n rows with n > max_length (M) is
+cut into windows of at most M rows, each a unit of the batch plan with the states of its own rows
+only (`read_windows`: IndexedShards.read_window decodes only the frames those rows lie in). L = `window_overlap` rows (train and eval pass ttt_steps - 1, the farthest the unroll reads
+ahead) are carried twice: window k holds rows [k(M-L), min(k(M-L) + M, n)), and its first L rows
+(k > 0) repeat the last rows of window k-1 with loss mask 0 there. A row's target (token r+2) is
+learned in exactly one window, the one whose own rows hold it, and the unroll reaches it at step i
+from start row r - i as in the whole record: that start row is at most L rows back, so it is in the
+same window. Example: T = 12 (n = 11 rows), M = 5, ttt_steps 3 (L = 2):
+
+    row r                 0  1  2  3  4  5  6  7  8  9  10
+    window 0 (rows 0-4)   x  x  x  x  x                         x: target token r+2 learned here
+    window 1 (rows 3-7)            .  .  x  x  x                .: carried, mask 0 (window 0 learns it)
+    window 2 (rows 6-10)                    .  .  x  x  (x)     (x): row 10 predicts token 12, past the record
+    chain start rows      0  0  0  1  1  1  2  2  2  2  2       eval: the window that starts a chain at r
+
+Token 7 (row 5) is learned only in window 1: at step 0 from row 5, step 1 from row 4 and step 2 from
+row 3, all in window 1. Rows 3 and 4 are in window 1 to start those chains; their own targets
+(tokens 5 and 6) are window 0's. At a boundary the target's states are the same as in the whole
+record (aux[r] and final[r+1] were computed by the target over the whole context), but the draft's
+own attention sees only its window: in window 1 row 3's chain attends to no earlier draft keys,
+where in the whole record it would see rows 0-2. positions stay the record's own (r), as serving
+numbers them. Eval's chains of J = L + 1 proposals start in the window that holds the rows they
+read: window k starts chains at its rows before its last L (at all of them in a record's last
+window), so every start row is counted once too (`start_mask`). M must exceed L.
+
 Batches. An epoch's plan is made from the index alone (token counts), so it is cheap and
-deterministic: records are shuffled by (seed, epoch), dealt to ranks round-robin, and each rank
-groups its records into batches of `batch_size` rows: one record per row (padding), or records
-packed back to back into rows of up to `max_length` positions (packing; `doc_ids` keep records
-apart). Every rank gets the same number of batches per epoch (the smallest count), so DDP ranks
-step together. Batches are numbered globally across epochs; DataLoader worker w of W makes the
-batches g with g % W == w, so the loader yields them in order. The dataset's whole state is the
-number of batches consumed: resuming from it yields exactly the batches an uninterrupted run
-would have. A record whose checksums fail is reported and left out of its batch.
+deterministic: windows (a record up to max_length rows is one window) are shuffled by (seed, epoch),
+dealt to ranks round-robin, and each rank groups its windows into batches of `batch_size` rows: one
+window per row (padding), or windows packed back to back into rows of up to `max_length` positions
+(packing; `doc_ids` keep windows apart, two windows of one record included). Every rank gets the
+same number of batches per epoch (the smallest count), so DDP ranks step together; windows, not
+records, are dealt, so a long record's windows may go to several ranks (each reads only its own). Batches are
+numbered globally across epochs; DataLoader worker w of W makes the batches g with g % W == w, so
+the loader yields them in order. The dataset's whole state is the number of batches consumed:
+resuming from it yields exactly the batches an uninterrupted run would have. A record whose
+checksums fail is reported and left out of its batch (each of its windows).
 
 Records. `record_ids` names a text file of record ids (one per line, `#` starts a comment): then
 only those records of the shard set exist for the dataset, in the file's order (so an unshuffled
@@ -52,7 +79,7 @@ then each record is fetched alone (a rank fetches only its own) into a bounded l
 records of the next batch are fetched while the current one is used, so the store's latency hides
 behind the training step.
 
-Shape legend: B rows, S positions per row, K capture layers, H hidden size.
+Shape legend: B rows, S positions per row, K capture layers, H hidden size, n rows of a window.
 """
 
 from __future__ import annotations
@@ -69,9 +96,8 @@ import numpy as np
 import torch
 
 import capture_format as cf
-from capture_format.errors import InvalidRecordError
-from capture_format.records import check_record_id
 from capture_format.remote_shards import RemoteShardDirectory
+from trainer.record_ids import read_record_ids, select_records
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +115,12 @@ class Config:
     batch_size: int = 8
     """Rows per batch, per rank."""
     max_length: int = 2048
-    """Positions per row; a longer record is cut to its first max_length + 1 tokens."""
+    """Positions per row; a record with more rows (tokens - 1) is trained as consecutive windows of up to this many
+    rows that together learn each of its tokens once (trainer/data.py)."""
     packing: bool = False
-    """Pack several records into each row (True) or put one record per row, padded (False)."""
+    """Pack several windows (records) into each row (True) or put one per row, padded (False)."""
     shuffle: bool = True
-    """Shuffle records each epoch by (seed, epoch)."""
+    """Shuffle windows (records) each epoch by (seed, epoch)."""
     seed: int = 0
     """Seed of the shuffle."""
     num_workers: int = 0
@@ -113,60 +140,110 @@ class Config:
         return cf.open_shard_directory(self.shards, skip_damaged=skip_damaged, cache=cache)
 
 
-def shift_record(record: cf.CaptureRecord, max_length: int) -> dict[str, np.ndarray]:
-    """The record's rows as in the module docstring: n = min(T - 1, max_length) rows."""
-    num_rows = min(record.num_tokens - 1, max_length)
-    ids = record.token_ids.astype(np.int64)
-    mask_past_end = np.append(record.loss_mask(), 0)  # (T + 1,): the token after the record is never learned
-    final = record.final[1 : num_rows + 1]
-    if final.shape[0] < num_rows:  # the last token has no state (captured while generating): see below
-        final = np.concatenate([final, np.zeros_like(record.final[:1])])
+Window = tuple[int, int, int]
+"""A unit of the batch plan: (record index, first row, end row): rows [first, end) of the record's T - 1."""
+
+
+def record_windows(num_tokens: int, max_length: int, overlap: int) -> list[tuple[int, int]]:
+    """(first row, end row) of each window of a record of num_tokens tokens (module docstring); [] for T < 2."""
+    if max_length <= overlap:
+        raise ValueError(f"max_length {max_length} must exceed the rows each window repeats ({overlap}, the TTT "
+                         f"unroll's steps - 1): use max_length >= {overlap + 1}")
+    total = max(num_tokens - 1, 0)
+    windows, first = [], 0
+    while first < total:
+        end = min(first + max_length, total)
+        windows.append((first, end))
+        if end == total:
+            break
+        first = end - overlap
+    return windows
+
+
+def read_windows(shards: Shards, entry: cf.IndexEntry, windows: Sequence[tuple[int, int]]) -> list[cf.RecordWindow]:
+    """The states each window of rows [first, end) of the record at entry needs: positions first..end (the shift
+    reads final[end]), or first..end-1 for the record's last window (its last row's target is past the record).
+    Only the frames of the record those rows lie in are decoded. The one place training and eval read records."""
+    last_row = entry.num_tokens - 1
+    return [shards.read_window(entry, first, end + 1 if end < last_row else end) for first, end in windows]
+
+
+def shift_window(rows: cf.RecordWindow, first: int, end: int, overlap: int = 0) -> dict[str, np.ndarray]:
+    """Rows [first, end) of the record as in the module docstring (rows.start must be first; n = end - first).
+
+    loss_mask is 0 on the first `overlap` rows of a window after a record's first (an earlier window learns
+    their targets); start_mask marks the rows whose chains this window starts (not its last `overlap` rows,
+    unless it is the record's last window)."""
+    assert rows.start == first and first < end, (rows.start, first, end)
+    num_tokens = int(rows.token_ids.shape[0])
+    n = end - first
+    ids = rows.token_ids.astype(np.int64)
+    mask_past_end = np.zeros(num_tokens + 2, dtype=bool)  # (T + 2,): tokens past the record are never learned
+    for span_start, span_end in rows.loss_spans:
+        mask_past_end[span_start:span_end] = True
+    learned = mask_past_end[first + 2 : end + 2].copy()  # (n,): learn token r+2?
+    owned = learned.copy()
+    owned[: overlap if first > 0 else 0] = False
+    starts = learned.copy()
+    starts[max(n - overlap, 0) if end < num_tokens - 1 else n :] = False
+    final = np.zeros((n, rows.final.shape[1]), dtype=rows.final.dtype)  # (n, H)
+    with_target = min(end, num_tokens - 2) - first  # rows whose token r+2 is in the record: the module docstring
+    final[:with_target] = rows.final[1 : with_target + 1]
     return {
-        "aux": record.aux[:num_rows].reshape(num_rows, -1),  # (n, K*H): target states at r
-        "input_ids": ids[1 : num_rows + 1],  # (n,): token r+1
+        "aux": rows.aux[:n].reshape(n, -1),  # (n, K*H): target states at r
+        "input_ids": ids[first + 1 : end + 1],  # (n,): token r+1
         "final": final,  # (n, H): its logits are the target distribution of token r+2
-        "loss_mask": mask_past_end[2 : num_rows + 2].astype(bool),  # (n,): learn token r+2?
-        "label_ids": np.append(ids, -1)[2 : num_rows + 2],  # (n,): token r+2, -1 past the end
+        "loss_mask": owned,  # (n,): learn token r+2 here?
+        "start_mask": starts,  # (n,): a chain starts here (eval), learned token r+2
+        "label_ids": np.append(ids, -1)[first + 2 : end + 2],  # (n,): token r+2, -1 past the end
+        "positions": np.arange(first, end),  # (n,): the record's own positions
     }
 
 
-def num_rows(num_tokens: int, max_length: int) -> int:
-    return max(min(num_tokens - 1, max_length), 0)
+def shift_record(record: cf.CaptureRecord) -> dict[str, np.ndarray]:
+    """The whole record's n = T - 1 rows as in the module docstring (one window)."""
+    rows = cf.RecordWindow(
+        record_id=record.record_id, sample_id=record.sample_id, model_fingerprint=record.model_fingerprint,
+        capture_layers=record.capture_layers, hidden_size=record.hidden_size, dtype=record.dtype,
+        token_ids=record.token_ids, loss_spans=record.loss_spans, metadata=record.metadata,
+        num_states=record.num_states, start=0, end=record.num_states, aux=record.aux, final=record.final)
+    return shift_window(rows, 0, record.num_tokens - 1)
 
 
-def plan_rows(records: Sequence[int], lengths: Sequence[int], config: Config) -> list[list[int]]:
-    """Rows of record indices: one per row, or packed greedily in order into rows of <= max_length."""
+def plan_rows(windows: Sequence[Window], config: Config) -> list[list[Window]]:
+    """Rows of windows: one per row, or packed greedily in order into rows of <= max_length."""
     if not config.packing:
-        return [[index] for index in records]
-    rows: list[list[int]] = []
+        return [[window] for window in windows]
+    rows: list[list[Window]] = []
     used = config.max_length
-    for index in records:
-        if used + lengths[index] > config.max_length:
+    for window in windows:
+        length = window[2] - window[1]
+        if used + length > config.max_length:
             rows.append([])
             used = 0
-        rows[-1].append(index)
-        used += lengths[index]
+        rows[-1].append(window)
+        used += length
     return rows
 
 
 def plan_epoch(
-    lengths: Sequence[int], config: Config, epoch: int, rank: int, world_size: int, equal_per_rank: bool = True
-) -> list[list[list[int]]]:
-    """This rank's batches (lists of rows of record indices) for one epoch; lengths: rows per record."""
-    order = np.arange(len(lengths))
+    windows: Sequence[Window], config: Config, epoch: int, rank: int, world_size: int, equal_per_rank: bool = True
+) -> list[list[list[Window]]]:
+    """This rank's batches (lists of rows of windows) for one epoch; windows: every window of the data, in order."""
+    order = np.arange(len(windows))
     if config.shuffle:
-        order = np.random.default_rng([config.seed, epoch]).permutation(len(lengths))
-    order = [int(index) for index in order if lengths[index] > 0]
+        order = np.random.default_rng([config.seed, epoch]).permutation(len(windows))
+    shuffled = [windows[index] for index in order]
     per_rank = []
     for other_rank in range(world_size):
-        rows = plan_rows(order[other_rank::world_size], lengths, config)
+        rows = plan_rows(shuffled[other_rank::world_size], config)
         per_rank.append([rows[start : start + config.batch_size] for start in range(0, len(rows), config.batch_size)])
     if not equal_per_rank:
         return per_rank[rank]
     num_batches = min(len(batches) for batches in per_rank)
     if num_batches == 0:
         raise ValueError(
-            f"{len(order)} usable records are too few for {world_size} ranks: some rank gets no batch; "
+            f"{len(windows)} usable windows of records are too few for {world_size} ranks: some rank gets no batch; "
             "capture more records or use fewer ranks"
         )
     return per_rank[rank][:num_batches]
@@ -175,7 +252,7 @@ def plan_epoch(
 def collate(
     rows: list[list[dict[str, np.ndarray]]], record_ids: list[str], *, state_dtype: str, aux_width: int, hidden: int
 ) -> dict[str, Any]:
-    """Tensors of one batch from rows of shifted records; pad positions have doc_ids -1 and mask 0.
+    """Tensors of one batch from rows of shifted windows; pad positions have doc_ids -1 and masks 0.
 
     aux_width = K*H and hidden = H size the batch even when every record of it was skipped.
     """
@@ -187,6 +264,7 @@ def collate(
     input_ids = np.zeros((num_rows_, width), dtype=np.int64)  # (B, S)
     label_ids = np.full((num_rows_, width), -1, dtype=np.int64)  # (B, S)
     loss_mask = np.zeros((num_rows_, width), dtype=bool)  # (B, S)
+    start_mask = np.zeros((num_rows_, width), dtype=bool)  # (B, S)
     positions = np.zeros((num_rows_, width), dtype=np.int64)  # (B, S)
     doc_ids = np.full((num_rows_, width), -1, dtype=np.int64)  # (B, S)
     for b, row in enumerate(rows):
@@ -198,7 +276,8 @@ def collate(
             input_ids[b, start:end] = part["input_ids"]
             label_ids[b, start:end] = part["label_ids"]
             loss_mask[b, start:end] = part["loss_mask"]
-            positions[b, start:end] = np.arange(end - start)
+            start_mask[b, start:end] = part["start_mask"]
+            positions[b, start:end] = part["positions"]
             doc_ids[b, start:end] = doc
             start = end
 
@@ -212,6 +291,7 @@ def collate(
         "input_ids": torch.from_numpy(input_ids),
         "label_ids": torch.from_numpy(label_ids),
         "loss_mask": torch.from_numpy(loss_mask),
+        "start_mask": torch.from_numpy(start_mask),
         "position_ids": torch.from_numpy(positions),
         "doc_ids": torch.from_numpy(doc_ids),
         "record_ids": record_ids,
@@ -231,53 +311,6 @@ def open_shards(shards: str | Path | Config) -> Shards:
     return directory
 
 
-MAX_NAMED_IDS = 5
-"""Missing record ids an error names (it counts them all)."""
-
-
-def read_record_ids(path: str | Path) -> list[str]:
-    """The record ids of a text file, in order: one per line, `#` starts a comment, blank lines are skipped.
-
-    ValueError when the file cannot be read, a line is not a record id, an id is listed twice, or none is."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"cannot read the record id file {path}: {error}") from None
-    record_ids: list[str] = []
-    line_of: dict[str, int] = {}
-    for number, line in enumerate(lines, start=1):
-        record_id = line.partition("#")[0].strip()
-        if not record_id:
-            continue
-        try:
-            check_record_id(record_id)
-        except InvalidRecordError as error:
-            raise ValueError(f"{path}:{number}: {error} (one id per line, # for comments)") from None
-        if record_id in line_of:
-            raise ValueError(f"{path}:{number}: record id {record_id!r} is listed again (first on line "
-                             f"{line_of[record_id]}); list each record once")
-        line_of[record_id] = number
-        record_ids.append(record_id)
-    if not record_ids:
-        raise ValueError(f"{path} lists no record id: the selection would be empty")
-    return record_ids
-
-
-def select_records(entries: Sequence[cf.IndexEntry], record_ids: Sequence[str], shards: str,
-                   source: str) -> list[cf.IndexEntry]:
-    """The entries of record_ids, in their order; ValueError naming up to MAX_NAMED_IDS ids shards lack and the count.
-
-    source names where the ids came from (a file) in the error."""
-    by_id: dict[str, cf.IndexEntry] = {}
-    for entry in entries:
-        by_id.setdefault(entry.record_id, entry)
-    missing = [record_id for record_id in record_ids if record_id not in by_id]
-    if missing:
-        raise ValueError(f"{len(missing)} of {len(record_ids)} record ids of {source} are not in {shards}: "
-                         f"{', '.join(missing[:MAX_NAMED_IDS])}{', ...' if len(missing) > MAX_NAMED_IDS else ''}")
-    return [by_id[record_id] for record_id in record_ids]
-
-
 def require_records(shards: str | Path | Config) -> list[cf.IndexEntry]:
     """Every readable index entry of a shard folder or prefix (of a Config: only those of its record_ids, in
     the file's order); ValueError (ShardError) if it is missing, holds none, or lacks a selected record."""
@@ -292,10 +325,11 @@ def require_records(shards: str | Path | Config) -> list[cf.IndexEntry]:
 
 
 class ShardDataset(torch.utils.data.IterableDataset):
-    """Batches of this rank's share of a shard directory, across epochs, from batch `start_batch` on.
+    """Batches of this rank's share of a shard directory's windows, across epochs, from batch `start_batch` on.
 
-    Checks every index entry against what the draft expects (capture layers, hidden size, target
-    fingerprint) when built, so a mismatched capture fails before training starts.
+    window_overlap: rows a window repeats from the one before (the module docstring; train and eval pass
+    ttt_steps - 1). Checks every index entry against what the draft expects (capture layers, hidden size,
+    target fingerprint) when built, so a mismatched capture fails before training starts.
     """
 
     def __init__(
@@ -307,6 +341,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
         start_batch: int = 0,
         num_epochs: int | None = None,
         equal_per_rank: bool = True,
+        window_overlap: int = 0,
         capture_layers: Sequence[int] | None = None,
         hidden_size: int | None = None,
         model_fingerprint: str | None = None,
@@ -317,6 +352,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
         self.start_batch = start_batch
         self.num_epochs = num_epochs
         self.equal_per_rank = equal_per_rank
+        self.window_overlap = window_overlap
         self.entries = require_records(config)
         expected = {"capture_layers": None if capture_layers is None else tuple(capture_layers),
                     "hidden_size": hidden_size, "model_fingerprint": model_fingerprint, "dtype": None}
@@ -328,17 +364,15 @@ class ShardDataset(torch.utils.data.IterableDataset):
                     + ("they must agree" if value is None else f"the draft expects {value}")
                 )
         self.state_dtype = self.entries[0].dtype
-        self.lengths = [num_rows(entry.num_tokens, config.max_length) for entry in self.entries]
-        self.num_truncated = sum(entry.num_tokens - 1 > config.max_length for entry in self.entries)
-        if self.num_truncated:
-            log.warning("%d of %d records are longer than max_length + 1 = %d tokens and are cut",
-                        self.num_truncated, len(self.entries), config.max_length + 1)
+        self.windows: list[Window] = [
+            (index, first, end) for index, entry in enumerate(self.entries)
+            for first, end in record_windows(entry.num_tokens, config.max_length, window_overlap)]
 
-    def plan(self, epoch: int) -> list[list[list[int]]]:
-        return plan_epoch(self.lengths, self.config, epoch, self.rank, self.world_size, self.equal_per_rank)
+    def plan(self, epoch: int) -> list[list[list[Window]]]:
+        return plan_epoch(self.windows, self.config, epoch, self.rank, self.world_size, self.equal_per_rank)
 
-    def batch_indices(self) -> Iterator[tuple[int, int, list[list[int]]]]:
-        """(global batch number, epoch, rows of record indices), from start_batch on."""
+    def batch_indices(self) -> Iterator[tuple[int, int, list[list[Window]]]]:
+        """(global batch number, epoch, rows of windows), from start_batch on."""
         first_of_epoch = 0
         epochs = itertools.count() if self.num_epochs is None else range(self.num_epochs)
         for epoch in epochs:
@@ -363,29 +397,44 @@ class ShardDataset(torch.utils.data.IterableDataset):
                 yield self._read_batch(shards, *current)
                 current = upcoming
 
-    def _entries_of(self, batch: tuple[int, int, list[list[int]]]) -> list[cf.IndexEntry]:
-        return [self.entries[index] for row in batch[2] for index in row]
+    def _entries_of(self, batch: tuple[int, int, list[list[Window]]]) -> list[cf.IndexEntry]:
+        indices = dict.fromkeys(index for row in batch[2] for index, _, _ in row)
+        return [self.entries[index] for index in indices]
 
-    def _read_batch(self, shards: Shards, number: int, epoch: int, rows: list[list[int]]) -> dict[str, Any]:
-        shifted_rows, record_ids, metadata, skipped = [], [], [], []
+    def _read_batch(self, shards: Shards, number: int, epoch: int, rows: list[list[Window]]) -> dict[str, Any]:
+        wanted: dict[int, list[tuple[int, int]]] = {}
         for row in rows:
+            for index, first, end in row:
+                wanted.setdefault(index, []).append((first, end))
+        read: dict[Window, cf.RecordWindow] = {}
+        skipped = []
+        for index, windows in wanted.items():
+            entry = self.entries[index]
+            try:
+                parts = read_windows(shards, entry, windows)
+            except cf.CaptureFormatError as error:
+                log.error("skipping record %s: %s", entry.record_id, error)
+                skipped += [entry.record_id] * len(windows)
+                continue
+            read.update(((index, *window), part) for window, part in zip(windows, parts, strict=True))
+        shifted_rows, record_ids, metadata, placed = [], [], [], []
+        for b, row in enumerate(rows):
             shifted_rows.append([])
-            for index in row:
-                entry = self.entries[index]
-                try:
-                    record = shards.read_record(entry)
-                except cf.CaptureFormatError as error:
-                    log.error("skipping record %s: %s", entry.record_id, error)
-                    skipped.append(entry.record_id)
+            for window in row:
+                if window not in read:
                     continue
-                shifted_rows[-1].append(shift_record(record, self.config.max_length))
-                record_ids.append(entry.record_id)
-                metadata.append(record.metadata)
+                index, first, end = window
+                placed.append((b, len(shifted_rows[-1]), first, end, self.entries[index].num_tokens - 1))
+                shifted_rows[-1].append(shift_window(read[window], first, end, self.window_overlap))
+                record_ids.append(self.entries[index].record_id)
+                metadata.append(read[window].metadata)
         entry = self.entries[0]
         batch = collate(shifted_rows, record_ids, state_dtype=self.state_dtype,
                         aux_width=len(entry.capture_layers) * entry.hidden_size, hidden=entry.hidden_size)
-        # Each record's metadata, in record_ids order: `eagle-tap eval` reads what the serving draft achieved.
-        batch.update(batch_number=number, epoch=epoch, skipped_record_ids=skipped, record_metadata=metadata)
+        # Per window, in record_ids order: its record's metadata (`eagle-tap eval` reads what the serving draft
+        # achieved) and where it lies: (batch row, doc id, first row, end row, rows of its record).
+        batch.update(batch_number=number, epoch=epoch, skipped_record_ids=skipped, record_metadata=metadata,
+                     windows=placed)
         return batch
 
 

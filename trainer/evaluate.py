@@ -25,6 +25,12 @@ frequent loss-masked training token):
   acceptance per draft position, pooled over exactly the records evaluated. It covers each whole
   generation, the served walk only the last assistant turn.
 
+Every record is evaluated whole: one longer than max_length rows is read as windows the way training
+reads it (trainer/data.py), with an overlap of J - 1 rows, so each start row's chain lies inside the one
+window that starts it and is counted once (`start_mask`), each TTT target is scored once, and the served
+walk reads the record's rows joined back from its windows (RecordStitcher). The draft's attention sees
+only its window, as in training.
+
 The draft is a training run's (its out_dir or final/ folder: target, vocab mapping, seed and training
 records come from the run) or an exported one (`eagle-tap export`'s folder: the target and the vocab
 mapping it was trained with are given; the untrained baseline is seed 0's initialisation, train's
@@ -126,24 +132,64 @@ class Counts:
         self.walk_tokens = torch.zeros(steps)
         self.walk_steps = torch.zeros(steps)
 
-    def add_walks(self, matches: torch.Tensor, counted: torch.Tensor, doc_ids: torch.Tensor,
-                  max_new_tokens: int | None) -> None:
-        """matches (B, S, J) over every row; counted, doc_ids (B, S)."""
-        leading = matches.long().cumprod(dim=-1).cumsum(dim=-1)  # (B, S, J): leading matches among the first k
-        for b in range(matches.shape[0]):
-            for first, last in last_turn_rows(counted[b], doc_ids[b]):
-                # Row `first` predicts the turn's second token: its first token comes from the prefill.
-                last = last if max_new_tokens is None else min(last, first - 1 + max_new_tokens)
-                for k in range(matches.shape[-1]):
-                    tokens, steps = served_walk(leading[b, :, k], first + 1, last)
-                    self.walk_tokens[k] += tokens
-                    self.walk_steps[k] += steps
+    def add_walks(self, leading: torch.Tensor, counted: torch.Tensor, max_new_tokens: int | None) -> None:
+        """The served walk of one whole record: leading (n, J) leading matches among the first k at each of its
+        rows, counted (n,) its start rows (the loss mask)."""
+        for first, last in last_turn_rows(counted, torch.zeros(len(counted), dtype=torch.long)):
+            # Row `first` predicts the turn's second token: its first token comes from the prefill.
+            last = last if max_new_tokens is None else min(last, first - 1 + max_new_tokens)
+            for k in range(leading.shape[-1]):
+                tokens, steps = served_walk(leading[:, k], first + 1, last)
+                self.walk_tokens[k] += tokens
+                self.walk_steps[k] += steps
 
     def result(self) -> dict[str, Any]:
         matches = torch.cat(self.matches)  # (N, J)
         return {"step_accuracy": (self.correct / self.total.clamp(min=1)).tolist(),
                 "acceptance_length": acceptance_lengths(matches, torch.ones(len(matches), dtype=torch.bool)),
                 "served_walk_acceptance_length": (self.walk_tokens / self.walk_steps.clamp(min=1)).tolist()}
+
+
+class RecordStitcher:
+    """Joins the rows of each record from its windows (trainer/data.py), in whatever batches they come, so the
+    served walk reads a long record whole: each row from the one window that starts chains there."""
+
+    def __init__(self, overlap: int) -> None:
+        self.overlap = overlap
+        self.open: dict[str, dict[str, Any]] = {}
+
+    def add(self, batch: dict[str, Any], counted: torch.Tensor, leading: dict[str, torch.Tensor]
+            ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """counted (B, S): start rows; leading: per draft (B, S, J). Returns the records this batch completes:
+        (counted (n,), per draft leading (n, J))."""
+        done = []
+        for record_id, (b, doc, first, end, total) in zip(batch["record_ids"], batch["windows"], strict=True):
+            where = (batch["doc_ids"][b] == doc).nonzero()[:, 0]  # (end - first,): the window's positions
+            own_end = end if end == total else end - self.overlap
+            take = where[: own_end - first]  # (own_end - first,)
+            record = self.open.setdefault(record_id, {"counted": torch.zeros(total, dtype=torch.bool), "filled": 0,
+                                                      "leading": {name: torch.zeros(total, value.shape[-1],
+                                                                                    dtype=torch.long)
+                                                                  for name, value in leading.items()}})
+            record["counted"][first:own_end] = counted[b, take]
+            for name, value in leading.items():
+                record["leading"][name][first:own_end] = value[b, take]  # (own_end - first, J)
+            record["filled"] += own_end - first
+            if record["filled"] == total:
+                finished = self.open.pop(record_id)
+                done.append((finished["counted"], finished["leading"]))
+        return done
+
+
+def records_started(dataset: data.ShardDataset, max_records: int) -> int:
+    """m: the first batches of an unshuffled plan start records 0..m-1, at least max_records of them (all there are,
+    if fewer); the rest of those records' windows are read too, so each is evaluated whole."""
+    started = 0
+    for batch in dataset.plan(0):
+        started = max([started] + [index + 1 for row in batch for index, _, _ in row])
+        if started >= max_records:
+            break
+    return started
 
 
 def served_drafts(metadata: list[dict[str, Any]], record_ids: list[str]) -> list[ServedDraft | None]:
@@ -200,7 +246,8 @@ def load_run(checkpoint: str | Path, *, target: str | Path | None = None,
 
 def build_drafts(source: DraftSource, run_dict: dict[str, Any]) -> tuple[ttt.Eagle3Objective, ttt.Eagle3Objective]:
     """(trained objective with the source's weights, untrained objective with the run's initialisation)."""
-    from trainer.train import initial_objective, load_init_from
+    from trainer.train import initial_objective
+    from trainer.warm_start import load_init_from
 
     untrained, trained = initial_objective(run_dict), initial_objective(run_dict)
     with torch.no_grad():
@@ -230,7 +277,8 @@ def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | N
     """Accuracy per TTT step and acceptance length by k for the draft and the two baselines.
 
     checkpoint: a training run's out_dir (or its final/ folder) or an exported draft folder (then target and
-    vocab are required; load_run). served_max_new_tokens: the served walk covers only this many tokens of
+    vocab are required; load_run). max_records: the records of the first batches that start this many
+    (records_started), each whole; max_length: rows per window (a longer record is read as windows). served_max_new_tokens: the served walk covers only this many tokens of
     each last turn (as many as `eval-served` generates); None: the whole turn. record_ids: a text file of the
     record ids of shards to evaluate (data.read_record_ids), read in the file's order; every one must be in
     shards. The held-out check covers the evaluated records of a run; an exported draft lists no training
@@ -254,42 +302,49 @@ def evaluate(checkpoint: str | Path, shards: str | Path, *, max_records: int | N
                 "hidden_size": ModelConfig.from_draft_config(draft_json).target_hidden_size}
     dataset = data.ShardDataset(data.Config(shards=str(shards), batch_size=batch_size, max_length=max_length,
                                             shuffle=False, record_ids=None if record_ids is None else str(record_ids)),
-                                num_epochs=1, equal_per_rank=False, **expected)  # a missing record fails here
+                                num_epochs=1, equal_per_rank=False, window_overlap=steps - 1,
+                                **expected)  # a missing record fails here
     trained, untrained = build_drafts(source, run_dict)
     trained.config.ttt_steps = untrained.config.ttt_steps = steps
     vocab_size = trained.draft.config.vocab_size
     unigram = most_frequent_token(run_dict["vocab"], vocab_size)
     counts = {"draft": Counts(steps), "untrained": Counts(steps), "unigram": Counts(steps)}
     num_records = 0
+    stitcher = RecordStitcher(overlap=steps - 1)
     served: list[ServedDraft | None] = []
-    wanted_records = len(dataset.entries) if max_records is None else min(max_records, len(dataset.entries))
+    if max_records is not None:  # the records the first batches start, each read whole
+        num_started = records_started(dataset, max_records)
+        dataset.windows = [window for window in dataset.windows if window[0] < num_started]
+    wanted_records = len({index for index, _, _ in dataset.windows})
     progress = tqdm(total=wanted_records, desc="eval", unit="record", dynamic_ncols=True, disable=not progress_bar)
     for batch in data.make_loader(dataset):
-        if max_records is not None and num_records >= max_records:
-            break
-        num_records += len(batch["record_ids"])
-        served += served_drafts(batch["record_metadata"], batch["record_ids"])
-        progress.update(len(batch["record_ids"]))
-        counted = batch["loss_mask"] & (batch["doc_ids"] >= 0)  # (B, S): start rows
+        firsts = [number for number, window in enumerate(batch["windows"]) if window[2] == 0]  # a record's first
+        num_records += len(firsts)
+        served += served_drafts([batch["record_metadata"][number] for number in firsts],
+                                [batch["record_ids"][number] for number in firsts])
+        progress.update(len(firsts))
+        counted = batch["start_mask"] & (batch["doc_ids"] >= 0)  # (B, S): start rows, each in one window
         target_argmax = (batch["final"].float() @ trained.target_lm_head.float().T).argmax(-1)  # (B, S)
         # A row whose token r+2 lies past its record has no target to match (for a record captured while
-        # generating, not even a state: data.shift_record), so a chain never matches there.
+        # generating, not even a state: data.shift_window), so a chain never matches there.
         target_argmax = torch.where(batch["label_ids"] >= 0, target_argmax, -1)
         wanted_all = shifted_target_argmax(target_argmax, batch["doc_ids"], steps)  # (B, S, J)
         wanted = wanted_all[counted]  # (N, J)
+        leading = {}
         for name, objective in (("draft", trained), ("untrained", untrained)):
             out = objective(batch)
             counts[name].correct += out["correct"]
             counts[name].total += out["total"]
             matches = chain_proposals(objective.draft, batch, steps) == wanted_all  # (B, S, J)
             counts[name].matches.append(matches[counted])
-            counts[name].add_walks(matches, counted, batch["doc_ids"], served_max_new_tokens)
-        unigram_hits = (wanted == unigram)  # (N, J)
-        counts["unigram"].matches.append(unigram_hits)
-        counts["unigram"].add_walks(wanted_all == unigram, counted, batch["doc_ids"], served_max_new_tokens)
-        for step in range(steps):  # the unigram draft's TTT accuracy: share of counted rows of step i it hits
-            in_record = ttt.same_record_after(batch["doc_ids"], step)  # (B, S)
-            rows = ttt.shift_rows(counted, step, False) & in_record  # (B, S)
+            leading[name] = matches.long().cumprod(dim=-1).cumsum(dim=-1)  # (B, S, J): leading matches of k
+        counts["unigram"].matches.append(wanted == unigram)  # (N, J)
+        leading["unigram"] = (wanted_all == unigram).long().cumprod(dim=-1).cumsum(dim=-1)  # (B, S, J)
+        for record_counted, record_leading in stitcher.add(batch, counted, leading):
+            for name, value in record_leading.items():
+                counts[name].add_walks(value, record_counted, served_max_new_tokens)
+        for step in range(steps):  # the unigram draft's TTT accuracy: share of scored rows of step i it hits
+            rows = ttt.scored_rows(batch["loss_mask"], batch["doc_ids"], step)  # (B, S)
             counts["unigram"].correct[step] += (rows & (ttt.shift_rows(target_argmax, step, -1) == unigram)).sum()
             counts["unigram"].total[step] += rows.sum()
     progress.close()

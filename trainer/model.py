@@ -17,16 +17,20 @@ and t2d (skipped by SGLang).
 Attention takes a list of earlier test-time-training steps' keys and values (`cache`): the first
 entry is attended causally (within each record), the later ones only at the query's own row (the
 draft's chain of guesses at that position). With an empty cache this is plain causal attention.
+Under sequence parallelism (trainer/sequence_parallel.py) a rank holds a block of positions: its
+queries attend to the first step's keys of every rank (`gather_keys`), its chain keys stay its own.
 Scores are materialised, (B, N, S, S), for clarity; long rows on GPU would want flex attention
 with the same mask.
 
 Shape legend: B rows, S positions, H hidden, K capture layers, N query heads, G key/value heads,
-E head dim, J cached steps, V target vocab, D draft vocab.
+E head dim, J cached steps, V target vocab, D draft vocab, T key positions (S, or every sequence-parallel
+rank's).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,7 +135,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, cache: list
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, cache: list,
+        gather_keys: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)  # (B, N, S, E)
@@ -139,20 +144,24 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, G, S, E)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         repeat = self.num_heads // self.num_kv_heads
-        cache.append((k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)))  # (B, N, S, E) each
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)  # (B, N, S, E) each
+        if not cache and gather_keys is not None:  # sequence parallel: the first step's keys of every rank
+            k, v = gather_keys(k), gather_keys(v)  # (B, N, T, E) each, T = all positions
+        cache.append((k, v))
         scale = 1.0 / math.sqrt(self.head_dim)
-        k0, v0 = cache[0]
-        scores = (q @ k0.transpose(-1, -2)) * scale  # (B, N, S, S): the first step's keys, causal per record
+        k0, v0 = cache[0]  # (B, N, T, E): T = S, or every rank's positions
+        T = k0.shape[2]
+        scores = (q @ k0.transpose(-1, -2)) * scale  # (B, N, S, T): the first step's keys, causal per record
         scores = scores.masked_fill(~mask, float("-inf"))
         if len(cache) > 1:
             k_chain = torch.stack([k_j for k_j, _ in cache[1:]], dim=3)  # (B, N, S, J, E)
             v_chain = torch.stack([v_j for _, v_j in cache[1:]], dim=3)  # (B, N, S, J, E)
             chain_scores = (q.unsqueeze(3) * k_chain).sum(-1) * scale  # (B, N, S, J): own row of later steps
-            scores = torch.cat([scores, chain_scores], dim=-1)  # (B, N, S, S + J)
-        probs = scores.float().softmax(dim=-1).to(q.dtype)  # (B, N, S, S [+ J])
-        out = probs[..., :S] @ v0  # (B, N, S, E)
+            scores = torch.cat([scores, chain_scores], dim=-1)  # (B, N, S, T + J)
+        probs = scores.float().softmax(dim=-1).to(q.dtype)  # (B, N, S, T [+ J])
+        out = probs[..., :T] @ v0  # (B, N, S, E)
         if len(cache) > 1:
-            out = out + (probs[..., S:].unsqueeze(-1) * v_chain).sum(3)  # (B, N, S, E)
+            out = out + (probs[..., T:].unsqueeze(-1) * v_chain).sum(3)  # (B, N, S, E)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # (B, S, H)
 
 
@@ -178,9 +187,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, embeds, hidden, cos, sin, mask, cache) -> torch.Tensor:
+    def forward(self, embeds, hidden, cos, sin, mask, cache, gather_keys=None) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, S, 2H)
-        residual = self.self_attn(x, cos, sin, mask, cache) + hidden  # (B, S, H)
+        residual = self.self_attn(x, cos, sin, mask, cache, gather_keys) + hidden  # (B, S, H)
         return self.mlp(self.post_attention_layernorm(residual)) + residual  # (B, S, H), pre-norm
 
 
@@ -214,23 +223,29 @@ class Eagle3Draft(nn.Module):
         position_ids: torch.Tensor,
         mask: torch.Tensor,
         cache: list | None = None,
+        gather_keys: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step. hidden (B, S, H): fc(aux) at the first step, the previous `out` after;
-        mask (B, 1, S, S) bool: the first step's keys each query may see. Returns out (B, S, H),
+        mask (B, 1, S, T) bool: the first step's keys each query may see (T = S, or with gather_keys, which
+        gathers the first step's keys of every sequence-parallel rank, all T positions). Returns out (B, S, H),
         pre-norm, for the next step and logits (B, S, D). (SGLang applies fc inside its forward
         whenever the incoming width differs from H, which is every first step with K >= 2.)"""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # (B, S, H)
         cos, sin = self.rope(position_ids, hidden.dtype)  # (B, 1, S, E) each
-        out = self.midlayer(embeds, hidden, cos, sin, mask, [] if cache is None else cache)  # (B, S, H)
+        out = self.midlayer(embeds, hidden, cos, sin, mask, [] if cache is None else cache, gather_keys)  # (B, S, H)
         return out, self.lm_head(self.norm(out))  # (B, S, H), (B, S, D)
 
 
-def causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """(B, 1, S, S) bool: query s sees key t <= s of the same record; always itself (pads stay finite)."""
+def causal_mask(doc_ids: torch.Tensor, first: int = 0, end: int | None = None) -> torch.Tensor:
+    """(B, 1, end - first, S) bool: query s of rows first..end-1 sees key t <= s of the same record; always
+    itself (pads stay finite). doc_ids (B, S); the default is every row, (B, 1, S, S)."""
     S = doc_ids.shape[1]
-    same = doc_ids.unsqueeze(2) == doc_ids.unsqueeze(1)  # (B, S, S)
-    causal = torch.ones(S, S, dtype=torch.bool, device=doc_ids.device).tril()  # (S, S)
-    return ((same & causal) | torch.eye(S, dtype=torch.bool, device=doc_ids.device)).unsqueeze(1)
+    end = S if end is None else end
+    queries = torch.arange(first, end, device=doc_ids.device)  # (n,)
+    keys = torch.arange(S, device=doc_ids.device)  # (S,)
+    same = doc_ids[:, first:end].unsqueeze(2) == doc_ids.unsqueeze(1)  # (B, n, S)
+    causal = keys.unsqueeze(0) <= queries.unsqueeze(1)  # (n, S)
+    return ((same & causal) | (keys.unsqueeze(0) == queries.unsqueeze(1))).unsqueeze(1)
 
 
 def trainable_state_dict(model: Eagle3Draft) -> dict[str, torch.Tensor]:

@@ -23,7 +23,6 @@ with SGLang's parameter names, the draft config.json, weight digests), record_id
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -38,15 +37,15 @@ import numpy as np
 import torch
 
 import capture_format as cf
-from trainer import data, distributed, ttt
+from trainer import data, distributed, sequence_parallel, ttt
 from trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
 from trainer.config_io import config_from_dict, config_to_dict
 from trainer.data import Config as DataConfig
 from trainer.metrics import MetricsLog, write_plots
 from trainer.model import Config as ModelConfig
 from trainer.model import Eagle3Draft, trainable_state_dict
-from trainer.run_folder import DraftSource
 from trainer.ttt import Config as ObjectiveConfig
+from trainer.warm_start import check_init_from, load_init_from, recorded_init_from
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +119,10 @@ class Config:
     """Warm start: a training run's out_dir (its final weights) or an exported draft folder whose trainable
     weights start this run (optimizer and schedule start fresh); it must fit the draft config, capture layers,
     target and vocab mapping. Not read on --resume (the checkpoint already holds weights that started from it)."""
+    sequence_parallel: int = 1
+    """Ranks that split each window's positions between them (trainer/sequence_parallel.py), for windows too long
+    for one device: run torchrun with exactly this many processes; they form one replica (no DDP) and read the
+    same batches. 1: off."""
     init_from_sha256: str | None = None
     """sha256 of init_from's model.safetensors: the run writes the one it read into out_dir/config.json; set
     beforehand, a source whose file differs is refused."""
@@ -168,37 +171,6 @@ def initial_objective(run_config: dict[str, Any]) -> ttt.Eagle3Objective:
     runtime = distributed.Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     objective, _, _ = build_objective(config_from_dict(Config, run_config), runtime)
     return objective
-
-
-def check_init_from(config: Config) -> DraftSource:
-    """config.init_from's draft, after checking that it fits this run (ValueError naming the difference)."""
-    from capture_format.fingerprint import model_fingerprint
-    from trainer.draft_config import load_draft_config
-    from trainer.run_folder import check_draft_fits, read_draft_source
-    from trainer.vocab import load_vocab_mapping
-
-    assert config.init_from is not None
-    source = read_draft_source(config.init_from)
-    mapping = load_vocab_mapping(config.vocab)
-    check_draft_fits(source, draft_config=load_draft_config(config.draft_config), d2t=mapping.d2t, t2d=mapping.t2d,
-                     target_fingerprint=model_fingerprint(config.target),
-                     used_as=f"this run (draft config {config.draft_config}, vocab {config.vocab})")
-    return source
-
-
-def load_init_from(draft: Eagle3Draft, source: DraftSource) -> None:
-    """Copies the source's trainable weights and vocab buffers into draft (cast to its dtype); the embedding stays."""
-    tensors = source.tensors()
-    expected = trainable_state_dict(draft)
-    missing, unexpected = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected.keys())
-    if missing or unexpected:
-        raise ValueError(f"{source.weights_path} does not hold this draft's tensors: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    for name, tensor in tensors.items():
-        if tensor.shape != expected[name].shape:
-            raise ValueError(f"{source.weights_path}: tensor {name!r} has shape {tuple(tensor.shape)}; this draft's "
-                             f"is {tuple(expected[name].shape)}")
-    draft.load_state_dict({**tensors, "embed_tokens.weight": draft.embed_tokens.weight})
 
 
 def build_optimizer(
@@ -251,6 +223,8 @@ class Run:
     start_step: int
     next_batch: int
     """Batches this rank has consumed: the data position."""
+    blocks: sequence_parallel.Blocks | None = None
+    """This rank's block of positions under sequence parallelism; None: each rank trains whole windows."""
 
     @property
     def draft(self) -> Eagle3Draft:
@@ -287,14 +261,22 @@ def start_run(config: Config, runtime: distributed.Runtime, resume: str | bool) 
     elif checkpoint_dirs(out_dir):
         raise ValueError(f"{out_dir} already holds checkpoints: pass --resume to continue, or pick another out_dir")
     module: torch.nn.Module = objective
-    if runtime.distributed:
+    blocks = None
+    if config.sequence_parallel > 1:
+        if runtime.world_size != config.sequence_parallel:
+            raise ValueError(f"sequence_parallel {config.sequence_parallel} needs exactly that many ranks (torchrun "
+                             f"--nproc-per-node {config.sequence_parallel}); this run has {runtime.world_size}")
+        blocks = sequence_parallel.Blocks(rank=runtime.rank, size=runtime.world_size)
+    elif config.sequence_parallel < 1:
+        raise ValueError(f"sequence_parallel must be 1 (off) or a number of ranks >= 2; got {config.sequence_parallel}")
+    elif runtime.distributed:
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
         module = torch.nn.parallel.DistributedDataParallel(objective, device_ids=device_ids, broadcast_buffers=False)
     expected = {"capture_layers": draft_json["eagle_tap"]["capture_layers"],
                 "hidden_size": objective.draft.config.target_hidden_size, "model_fingerprint": fingerprint}
     return Run(config=config, runtime=runtime, objective=objective, module=module, optimizer=optimizer,
                scheduler=scheduler, draft_json=draft_json, expected=expected, start_step=start_step,
-               next_batch=next_batch)
+               next_batch=next_batch, blocks=blocks)
 
 
 def train_step(run: Run, batches: Iterator[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
@@ -302,19 +284,24 @@ def train_step(run: Run, batches: Iterator[dict[str, Any]]) -> tuple[dict[str, A
     config, runtime = run.config, run.runtime
     accumulation, num_steps = config.grad_accumulation_steps, config.objective.ttt_steps
     run.optimizer.zero_grad(set_to_none=True)
-    sums = torch.zeros(2 + 3 * num_steps, device=runtime.device)  # loss, records, step losses, correct, total
+    sums = torch.zeros(2 + 3 * num_steps, device=runtime.device)  # loss, windows, step losses, correct, total
     record_ids: list[str] = []
     for micro in range(accumulation):
         batch = to_device(next(batches), runtime.device)
-        skip_sync = runtime.distributed and micro < accumulation - 1  # DDP averages gradients on the last one
+        skip_sync = run.blocks is None and runtime.distributed and micro < accumulation - 1  # DDP syncs the last
         with run.module.no_sync() if skip_sync else contextlib.nullcontext(), run.autocast():
-            out = run.module(batch)
+            if run.blocks is None:
+                out = run.module(batch)
+            else:  # this rank's share of the loss: the ranks' shares sum to the window's
+                out = run.module(sequence_parallel.pad_batch(batch, run.blocks.size), run.blocks)
             (out["loss"] / accumulation).backward()
         run.next_batch += 1
         record_ids += batch["record_ids"]
         sums += torch.cat([(out["loss"].detach() / accumulation).view(1),  # (1,)
                            torch.tensor([float(len(batch["record_ids"]))], device=runtime.device),  # (1,)
                            out["step_losses"] / accumulation, out["correct"], out["total"]])  # (J,) each
+    if run.blocks is not None:  # the sum of the ranks' gradients is the whole windows' gradient
+        sequence_parallel.all_reduce_gradients(run.draft, run.blocks)
     clip = config.optimizer.grad_clip_norm
     grad_norm = torch.nn.utils.clip_grad_norm_(run.draft.parameters(), clip if clip > 0 else float("inf"))
     learning_rate = run.scheduler.get_last_lr()[0]
@@ -322,10 +309,13 @@ def train_step(run: Run, batches: Iterator[dict[str, Any]]) -> tuple[dict[str, A
     run.scheduler.step()
     sums = distributed.all_reduce_sum(sums, runtime).cpu()
     ranks = runtime.world_size
+    records = sums[1] / (ranks if run.blocks is not None else 1)  # sequence parallel: every rank read them
+    if run.blocks is not None:
+        ranks = 1  # each rank's loss is its share of the same windows' loss: their sum is the loss
     correct, total = sums[2 + num_steps : 2 + 2 * num_steps], sums[2 + 2 * num_steps :]
     metrics = {"loss": sums[0].item() / ranks, "step_losses": (sums[2 : 2 + num_steps] / ranks).tolist(),
                "step_accuracy": (correct / total.clamp(min=1)).tolist(), "num_loss_tokens": int(total[0]),
-               "num_records": int(sums[1]), "learning_rate": learning_rate, "grad_norm": float(grad_norm),
+               "num_records": int(records), "learning_rate": learning_rate, "grad_norm": float(grad_norm),
                "epoch": batch["epoch"]}
     return metrics, record_ids
 
@@ -338,7 +328,7 @@ def evaluate(run: Run, shards: str) -> dict[str, Any]:
                            packing=config.data.packing, shuffle=False, cache_dir=config.data.cache_dir,
                            cache_max_bytes=config.data.cache_max_bytes)
     dataset = data.ShardDataset(eval_data, rank=runtime.rank, world_size=runtime.world_size, num_epochs=1,
-                                equal_per_rank=False, **run.expected)
+                                equal_per_rank=False, window_overlap=config.objective.ttt_steps - 1, **run.expected)
     num_steps = config.objective.ttt_steps
     sums = torch.zeros(3 * num_steps, device=runtime.device)  # correct, total, loss * total
     for number, batch in enumerate(data.make_loader(dataset)):
@@ -371,32 +361,6 @@ def report_data_codecs(shards: str) -> dict[str, dict[str, Any]]:
             for spec, tally in tallies.items()}
 
 
-def recorded_init_from(config: Config, resume: str | bool) -> Config:
-    """config with init_from and init_from_sha256 as this run records them; refuses a source that does not fit.
-
-    A new run checks its source and hashes its weights file (against init_from_sha256 when that is set); a
-    resumed one keeps what out_dir/config.json recorded when it started, since its checkpoint holds the weights."""
-    from trainer.run_folder import sha256_file
-
-    if resume:
-        written = Path(config.out_dir) / "config.json"
-        recorded = json.loads(written.read_text(encoding="utf-8")) if written.is_file() else {}
-        if config.init_from is not None and recorded.get("init_from") != config.init_from:
-            log.warning("init_from %s is not read on resume: the run continues from its checkpoint (it started "
-                        "from %s)", config.init_from, recorded.get("init_from") or "its own initialisation")
-        return dataclasses.replace(config, init_from=recorded.get("init_from"),
-                                   init_from_sha256=recorded.get("init_from_sha256"))
-    if config.init_from is None:
-        return config
-    source = check_init_from(config)
-    digest = sha256_file(source.weights_path)
-    if config.init_from_sha256 is not None and config.init_from_sha256 != digest:
-        raise ValueError(f"{source.weights_path} has sha256 {digest}; init_from_sha256 says "
-                         f"{config.init_from_sha256}: the source changed since it was pinned")
-    log.info("warm start from %s (%s draft, %s sha256 %s)", config.init_from, source.kind, source.weights_path, digest)
-    return dataclasses.replace(config, init_from_sha256=digest)
-
-
 def train(config: Config, resume: str | bool = False) -> dict[str, Any]:
     """Runs a training run, or continues one (resume=True: the newest checkpoint; a path: that checkpoint)."""
     from tqdm import tqdm
@@ -420,8 +384,9 @@ def train(config: Config, resume: str | bool = False) -> dict[str, Any]:
             (out_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
             keep_inputs(out_dir, draft_config=config.draft_config, vocab=config.vocab,
                         training_records=training_records)
-        dataset = data.ShardDataset(config.data, rank=runtime.rank, world_size=runtime.world_size,
-                                    start_batch=run.next_batch, **run.expected)
+        data_rank, data_ranks = (0, 1) if run.blocks is not None else (runtime.rank, runtime.world_size)
+        dataset = data.ShardDataset(config.data, rank=data_rank, world_size=data_ranks, start_batch=run.next_batch,
+                                    window_overlap=config.objective.ttt_steps - 1, **run.expected)
         batches = iter(data.make_loader(dataset, pin_memory=runtime.device.type == "cuda"))
         metrics = MetricsLog(out_dir / "metrics.jsonl", enabled=runtime.is_main,
                              resume_step=run.start_step if resume else None)

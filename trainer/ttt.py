@@ -58,6 +58,12 @@ def same_record_after(doc_ids: torch.Tensor, steps: int) -> torch.Tensor:
     return shift_rows(doc_ids, steps, -2) == doc_ids
 
 
+def scored_rows(loss_mask: torch.Tensor, doc_ids: torch.Tensor, step: int) -> torch.Tensor:
+    """(B, S) bool: start rows r whose step-`step` target, row r + step, is scored: that row is loss-masked (so,
+    in a window, also the window's own: trainer/data.py) and of the same record. loss_mask, doc_ids (B, S)."""
+    return shift_rows(loss_mask & (doc_ids >= 0), step, False) & same_record_after(doc_ids, step)
+
+
 class Eagle3Objective(nn.Module):
     """The draft plus the frozen target lm_head; forward(batch) returns the loss and per-step counts."""
 
@@ -81,40 +87,54 @@ class Eagle3Objective(nn.Module):
                 probs.append(logits[:, draft_ids].softmax(-1))  # (rows, D)
         return torch.cat(probs).view(*final.shape[:2], -1), torch.cat(in_vocab).view(final.shape[:2])
 
-    def unroll(self, batch: dict[str, Any]) -> Iterator[dict[str, torch.Tensor]]:
-        """Per TTT step: logits (B, S, D), target_p (B, S, D), counted (B, S): rows scored for accuracy,
-        learned (B, S): counted rows whose target argmax is in the draft vocab (rows the loss uses)."""
-        aux, final = batch["aux"], batch["final"]  # (B, S, K*H), (B, S, H)
-        input_ids, position_ids, doc_ids = batch["input_ids"], batch["position_ids"], batch["doc_ids"]  # (B, S)
-        loss_mask = batch["loss_mask"] & (doc_ids >= 0)  # (B, S)
-        target_p, in_vocab = self.target_distribution(final)  # (B, S, D), (B, S)
-        mask = causal_mask(doc_ids)  # (B, 1, S, S)
-        hidden = self.draft.fc(aux.to(self.draft.fc.weight.dtype))  # (B, S, H)
+    def unroll(self, batch: dict[str, Any], blocks: Any = None) -> Iterator[dict[str, torch.Tensor]]:
+        """Per TTT step: logits (B, n, D), target_p (B, n, D), counted (B, n): rows scored for accuracy,
+        learned (B, n): counted rows whose target argmax is in the draft vocab (rows the loss uses).
+
+        n = S rows, or under sequence parallelism (blocks: a sequence_parallel.Blocks) this rank's block of the
+        batch, which every rank holds whole: the later steps' shifted rows past the block are read from it."""
+        S = batch["input_ids"].shape[1]
+        first, end = (0, S) if blocks is None else blocks.rows(S)
+        reach = min(end + self.config.ttt_steps - 1, S)  # the farthest row a step reads
+        n = end - first
+        doc_ids = batch["doc_ids"][:, first:reach]  # (B, n + reach)
+        input_ids, loss_mask = batch["input_ids"][:, first:reach], batch["loss_mask"][:, first:reach]  # (B, n+)
+        target_p, in_vocab = self.target_distribution(batch["final"][:, first:reach])  # (B, n+, D), (B, n+)
+        mask = causal_mask(batch["doc_ids"], first, end)  # (B, 1, n, S)
+        hidden = self.draft.fc(batch["aux"][:, first:end].to(self.draft.fc.weight.dtype))  # (B, n, H)
+        position_ids = batch["position_ids"][:, first:end]  # (B, n)
+        gather_keys = None if blocks is None else blocks.gather
         cache: list = []
         for step in range(self.config.ttt_steps):
-            in_record = same_record_after(doc_ids, step)  # (B, S)
-            counted = shift_rows(loss_mask, step, False) & in_record  # (B, S)
-            step_ids = shift_rows(input_ids, step, 0)  # (B, S)
-            hidden, logits = self.draft(hidden, step_ids, position_ids + step, mask, cache)  # (B,S,H), (B,S,D)
-            yield {"logits": logits, "target_p": shift_rows(target_p, step, 0.0), "counted": counted,
-                   "learned": counted & shift_rows(in_vocab, step, False)}
+            counted = scored_rows(loss_mask, doc_ids, step)[:, :n]  # (B, n)
+            step_ids = shift_rows(input_ids, step, 0)[:, :n]  # (B, n)
+            hidden, logits = self.draft(hidden, step_ids, position_ids + step, mask, cache,
+                                        gather_keys)  # (B, n, H), (B, n, D)
+            yield {"logits": logits, "target_p": shift_rows(target_p, step, 0.0)[:, :n], "counted": counted,
+                   "learned": counted & shift_rows(in_vocab, step, False)[:, :n]}
 
-    def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """The weighted loss (scalar) and, per step (J,): step_losses, correct and total (accuracy counts)."""
-        loss = torch.zeros((), dtype=torch.float32, device=batch["aux"].device)
-        step_losses, correct, total = [], [], []
-        for step, out in enumerate(self.unroll(batch)):
-            learned = out["learned"]  # (B, S)
-            log_q = F.log_softmax(out["logits"].float(), dim=-1)  # (B, S, D)
-            cross_entropy = -(out["target_p"] * log_q).sum(-1)  # (B, S)
-            step_loss = (cross_entropy * learned).sum() / learned.sum().clamp(min=1)
-            loss = loss + self.config.step_weight**step * step_loss
-            step_losses.append(step_loss.detach())
+    def forward(self, batch: dict[str, Any], blocks: Any = None) -> dict[str, torch.Tensor]:
+        """The weighted loss (scalar) and, per step (J,): step_losses, correct and total (accuracy counts).
+
+        Under sequence parallelism (blocks) each is this rank's share: summed over the ranks they make the
+        whole batch's (each step's loss is normalised by every rank's count of learned rows)."""
+        numerators, learned_counts, correct, total = [], [], [], []
+        for out in self.unroll(batch, blocks):
+            learned = out["learned"]  # (B, n)
+            log_q = F.log_softmax(out["logits"].float(), dim=-1)  # (B, n, D)
+            cross_entropy = -(out["target_p"] * log_q).sum(-1)  # (B, n)
+            numerators.append((cross_entropy * learned).sum())
+            learned_counts.append(learned.sum())
             correct.append(((out["logits"].argmax(-1) == out["target_p"].argmax(-1)) & learned).sum())
             total.append(out["counted"].sum())
+        counts = torch.stack(learned_counts).float()  # (J,)
+        if blocks is not None:
+            counts = blocks.all_reduce(counts)
+        step_losses = torch.stack(numerators) / counts.clamp(min=1)  # (J,)
+        weights = self.config.step_weight ** torch.arange(len(step_losses), device=step_losses.device)  # (J,)
         return {
-            "loss": loss,
-            "step_losses": torch.stack(step_losses),  # (J,)
+            "loss": (weights * step_losses).sum(),
+            "step_losses": step_losses.detach(),  # (J,)
             "correct": torch.stack(correct).float(),  # (J,)
             "total": torch.stack(total).float(),  # (J,)
         }

@@ -79,7 +79,7 @@ class LoopConfig:
     batch_size: int = 8
     """Records per training batch (and per evaluation batch)."""
     max_length: int = 512
-    """Positions per record in training and evaluation."""
+    """Positions per window in training and evaluation (a longer record is read as consecutive windows)."""
     learning_rate: float = 1e-3
     """Peak learning rate of a round (a warm start wants less than a first training)."""
     warmup_steps: int = 10
