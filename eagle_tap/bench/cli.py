@@ -61,7 +61,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "(throughput with the plugin at 10% and 100% vs not loaded, coverage, the records' acceptance vs SGLang's, "
         "capture CPU per token); swapping a served draft's weights in place through SGLang's weight-update API (wall "
         "time, scheduler pause, ms per GB, checksums, idle and under load); peak memory of the capturing server, the "
-        "collector and a training step against record length (1K to 64K tokens). Full run: about 10 minutes on 2 cores.",
+        "collector and a training step against record length (1K to 64K tokens). Full run: about 10 minutes on 2 cores, "
+        "plus about 30 for long (two 64K-token prefills).",
     )
     bench.add_argument("--out", default="bench-results", help="directory for bench.json and bench.md "
                        "(default: bench-results)")

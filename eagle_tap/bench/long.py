@@ -285,11 +285,46 @@ def train_one(length: int, model: Path, shards: Path, inputs: dict[str, Path], c
             "train_loss_tokens": sum(line.get("num_loss_tokens", 0) for line in steps)}
 
 
-def ratio_at(rows: list[dict[str, Any]], key: str, longest: int, reference: int) -> float | None:
-    by_length = {row["length"]: row[key] for row in rows}
-    if reference not in by_length or by_length[reference] <= 0:
-        return None
-    return by_length[longest] / by_length[reference]
+def report(config: Config, rows: list[dict[str, Any]], context_length: int) -> dict[str, Any]:
+    """The benchmark's result from its measured rows: ratios of the longest length's peaks to the reference's."""
+    longest = max(config.lengths)
+    reference = REFERENCE_LENGTH if REFERENCE_LENGTH in config.lengths and REFERENCE_LENGTH < longest else min(
+        config.lengths)
+    by_length = {row["length"]: row for row in rows}
+    keys = ("plugin_share_mb", "rows_held_mb", "collector_peak_mb", "train_peak_mb", "server_peak_mb",
+            "plain_peak_mb")
+    ratios = {key: by_length[longest][key] / by_length[reference][key] if by_length[reference][key] > 0 else None
+              for key in keys}
+
+    def verdict(key: str, goal: bool = True) -> str:
+        low, high, ratio = by_length[reference][key], by_length[longest][key], ratios[key]
+        text = f"{low:,.1f} -> {high:,.1f} MB"
+        if ratio is None:
+            return text
+        return f"{text}, {ratio:.2f}x" + (f" ({'met' if ratio <= FLAT_GOAL else 'missed'})" if goal else "")
+
+    dropped = {f"{row['length']}: {reason}": count for row in rows for reason, count in row["dropped"].items()}
+    summary = {"reference_length": reference, "longest_length": longest, "ratios_longest_over_reference": ratios,
+               "flat_goal": FLAT_GOAL, "context_length": context_length, "dropped": dropped}
+    notes = [
+        f"the tiny target (hidden 128, 8 layers, bf16) on {config.device}, context {context_length:,}, prefill "
+        f"chunked at {config.chunk_tokens:,}, parts of {config.part_tokens:,} rows; per length one request of "
+        f"length - {config.new_tokens} random prompt ids and {config.new_tokens} greedy tokens to each server, "
+        f"the capturing one's tagged (generate mode)",
+        "server: the scheduler process's peak RSS (VmHWM, reset before the request) above its RSS before it, until "
+        "the response and, capturing, until the collector held the record; plugin share = capturing - no plugin; "
+        "most_rows_held: the plugin's gauge (over the server's life so far) x bytes of one row",
+        f"training: `eagle-tap train` on the record of that length alone, batch 1, max_length "
+        f"{config.train_max_length:,}, {config.train_steps} steps, TTT {config.ttt_steps}: the whole process's peak "
+        f"RSS (imports and target weights included)",
+        f"{reference:,} -> {longest:,} tokens (goal <= {FLAT_GOAL}x): plugin share {verdict('plugin_share_mb')}, "
+        f"its most_rows_held {verdict('rows_held_mb')}; collector {verdict('collector_peak_mb')}; training process "
+        f"{verdict('train_peak_mb')}; SGLang's own forward (no plugin) {verdict('plain_peak_mb', goal=False)}, the "
+        f"capturing server in all {verdict('server_peak_mb', goal=False)}",
+        f"captures dropped: {', '.join(f'{key} {count}' for key, count in dropped.items()) or 'none'}",
+    ]
+    return {"title": "Long records: peak memory of capture, collector and training against record length",
+            "parameters": asdict(config), "columns": COLUMNS, "rows": rows, "summary": summary, "notes": notes}
 
 
 def run(config: Config) -> dict[str, Any]:
@@ -325,37 +360,4 @@ def run(config: Config) -> dict[str, Any]:
         collector.stop()
         shutil.rmtree(work, ignore_errors=True)
 
-    longest = max(config.lengths)
-    reference = REFERENCE_LENGTH if REFERENCE_LENGTH in config.lengths and REFERENCE_LENGTH < longest else min(
-        config.lengths)
-    ratios = {key: ratio_at(rows, key, longest, reference) for key in (
-        "server_peak_mb", "plain_peak_mb", "rows_held_mb", "collector_peak_mb", "train_peak_mb")}
-
-    def verdict(key: str) -> str:
-        ratio = ratios[key]
-        if ratio is None:
-            return "not measured (no peak at the reference length)"
-        return f"{ratio:.2f}x ({'met' if ratio <= FLAT_GOAL else 'missed'})"
-
-    dropped = {f"{row['length']}: {reason}": count for row in rows for reason, count in row["dropped"].items()}
-    summary = {"reference_length": reference, "longest_length": longest, "ratios_longest_over_reference": ratios,
-               "flat_goal": FLAT_GOAL, "context_length": context_length, "dropped": dropped}
-    notes = [
-        f"the tiny target (hidden 128, 8 layers, bf16) on {config.device}, context {context_length:,}, prefill "
-        f"chunked at {config.chunk_tokens:,}, parts of {config.part_tokens:,} rows; per length one request of "
-        f"length - {config.new_tokens} random prompt ids and {config.new_tokens} greedy tokens to each server, "
-        f"the capturing one's tagged (generate mode)",
-        "server: the scheduler process's peak RSS (VmHWM, reset before the request) above its RSS before it, until "
-        "the response and, capturing, until the collector held the record; plugin share = capturing - no plugin; "
-        "most_rows_held: the plugin's gauge (over the server's life so far) x bytes of one row",
-        f"training: `eagle-tap train` on the record of that length alone, batch 1, max_length "
-        f"{config.train_max_length:,}, {config.train_steps} steps, TTT {config.ttt_steps}: the whole process's peak "
-        f"RSS (imports and target weights included)",
-        f"{longest:,} over {reference:,} tokens (goal <= {FLAT_GOAL}x): capturing server {verdict('server_peak_mb')}, "
-        f"most_rows_held {verdict('rows_held_mb')}, collector {verdict('collector_peak_mb')}, training process "
-        f"{verdict('train_peak_mb')}; the server without the plugin {verdict('plain_peak_mb')} "
-        f"(SGLang's own forward)",
-        f"captures dropped: {', '.join(f'{key} {count}' for key, count in dropped.items()) or 'none'}",
-    ]
-    return {"title": "Long records: peak memory of capture, collector and training against record length",
-            "parameters": asdict(config), "columns": COLUMNS, "rows": rows, "summary": summary, "notes": notes}
+    return report(config, rows, context_length)
