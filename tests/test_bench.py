@@ -1,7 +1,8 @@
 """`eagle-tap bench`: the codec and trainer benchmarks run at a tiny size and report well-formed results,
 the speculative capture benchmark pools acceptance as SGLang does and tables it per rate, the swap benchmark
 swaps a draft in and back on one real CPU SGLang server (the tiny target) with checksums verified and no request
-lost, and the report writer's JSON round-trips and its Markdown has one table row per measured item.
+lost, the long-record benchmark captures, stores and trains on one record per length (in parts) and reports
+peak memory, and the report writer's JSON round-trips and its Markdown has one table row per measured item.
 
 No assertion on speed: benchmarks are measured, never timed tests.
 """
@@ -31,12 +32,18 @@ def report() -> dict:
 
 
 def _check_well_formed(result: dict) -> None:
+    _check_well_formed_but_signed(result, signed=set())
+
+
+def _check_well_formed_but_signed(result: dict, signed: set[str]) -> None:
+    """Every column of every row is there and finite, and >= 0 unless its key is in signed."""
     assert "error" not in result, result.get("error")
     keys = [key for key, _, _ in result["columns"]]
     assert result["rows"] and all(set(keys) <= set(row) for row in result["rows"])
     for row in result["rows"]:
         for key in keys:
-            assert row[key] is None or isinstance(row[key], str) or (math.isfinite(row[key]) and row[key] >= 0)
+            value = row[key]
+            assert value is None or isinstance(value, str) or (math.isfinite(value) and (key in signed or value >= 0))
     assert result["notes"] and result["wall_s"] > 0
     json.dumps(result, allow_nan=False)
 
@@ -194,3 +201,23 @@ def test_swap_bench_swaps_a_draft_in_and_back_idle_and_under_load() -> None:
     load = width["load"]
     assert load["requests_failed"] == 0 and load["requests_ok"] > 0 and load["request_s"] > 0
     assert result["summary"]["all_verified"] and result["summary"]["requests_failed"] == 0
+
+
+@pytest.mark.sglang
+def test_long_bench_captures_stores_and_trains_a_record_per_length_and_reports_peaks() -> None:
+    from eagle_tap.bench import long
+
+    config = long.Config.quick()  # 512 and 2,048 tokens in parts of 256: two servers, one collector, two runs
+    result = run_benchmarks(["long"], configs={"long": config}, log=lambda line: None)["benchmarks"]["long"]
+    _check_well_formed_but_signed(result, signed={"plugin_share_mb"})  # a difference of two peaks may be < 0
+    assert [row["length"] for row in result["rows"]] == list(config.lengths)
+    for row in result["rows"]:
+        assert row["tokens"] == row["length"]  # prompt + generated tokens, all in the record
+        assert row["parts"] == -(-row["length"] // config.part_tokens)  # the last part may be short
+        assert row["stored_mb"] > 0 and row["capture_s"] > 0 and row["collector_peak_mb"] >= 0
+        assert row["row_bytes"] == (3 + 1) * 128 * 2  # 3 capture layers and the final state, bf16
+        assert 0 < row["most_rows_held"] <= config.part_tokens + config.chunk_tokens
+        assert row["train_steps"] == config.train_steps and row["train_loss_tokens"] > 0
+        assert row["train_peak_mb"] > 100  # a whole Python process with torch
+    assert result["summary"]["dropped"] == {}
+    assert set(result["summary"]["ratios_longest_over_reference"]) >= {"server_peak_mb", "collector_peak_mb"}

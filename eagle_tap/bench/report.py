@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, str] = {
     "served": "eagle_tap.bench.served",
     "spec-capture": "eagle_tap.bench.spec_capture",
     "swap": "eagle_tap.bench.swap",
+    "long": "eagle_tap.bench.long",
 }
 """Benchmark name (as `--only` takes it) -> module with `Config` and `run(config)`."""
 REPO_ROOT = Path(__file__).resolve().parents[2]
