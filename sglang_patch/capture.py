@@ -51,6 +51,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from capture_format.tag import CaptureTag
@@ -67,7 +68,8 @@ class CapturedSequence:
     """A complete capture in host memory (its last copies may still be landing), waiting for the sender."""
 
     tag: CaptureTag
-    token_ids: list[int]
+    token_ids: list[int] | np.ndarray
+    """The sequence's token ids (a part's: int32, up to its end: a 64K-token Python list would be 2.3 MB)."""
     chunks: list[HostRows]
     loss_spans: tuple[tuple[int, int], ...]
     """The tag's spans, plus the generated tokens in generate mode."""
@@ -391,7 +393,7 @@ class CaptureAssembler:
         ends = tuple(end for end in plan.sent_here if partial.chunks_start < end <= upto)
         if ends:
             start = partial.chunks_start
-            blocks = CapturedSequence(tag=partial.tag, token_ids=list(prompt[: plan.record_prefix]), loss_spans=(),
+            blocks = CapturedSequence(tag=partial.tag, token_ids=_ids_array(prompt, plan.record_prefix), loss_spans=(),
                                       metadata={}, chunks=partial.take_rows(ends[-1]), num_states=ends[-1], prefix=plan,
                                       blocks_only=True, block_ends=ends, rows_start=start)
             if self._emit(blocks) is False:
@@ -548,12 +550,16 @@ class CaptureAssembler:
                 self._abandon(rid, "expired", now)
 
 
-def _token_ids(req, end: int) -> list[int] | None:
-    """The request's first `end` token ids (prompt, then generated), or None while it has fewer."""
+def _ids_array(ids, end: int) -> np.ndarray:
+    return np.asarray(ids[:end], dtype=np.int32)
+
+
+def _token_ids(req, end: int) -> np.ndarray | None:
+    """The request's first `end` token ids (prompt, then generated) as int32, or None while it has fewer."""
     prompt = req.origin_input_ids
     if end <= len(prompt):
-        return list(prompt[:end])
+        return _ids_array(prompt, end)
     generated = req.output_ids
     if end > len(prompt) + len(generated):
         return None
-    return list(prompt) + list(generated[: end - len(prompt)])
+    return np.concatenate([_ids_array(prompt, len(prompt)), _ids_array(generated, end - len(prompt))])
