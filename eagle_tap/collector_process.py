@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -57,6 +58,16 @@ class CollectorProcess:
         request = urllib.request.Request(f"{self.url}/v1/stats", headers=headers)
         with urllib.request.urlopen(request, timeout=30) as response:
             return json.loads(response.read())
+
+    def has_record(self, record_id: str) -> bool:
+        """Whether the collector holds record_id (`GET /v1/records/{id}`: 200, or 404)."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/v1/records/{record_id}", timeout=30):
+                return True
+        except urllib.error.HTTPError as error:
+            if error.code == 404:
+                return False
+            raise
 
     def stop(self) -> None:
         """Terminate the collector (it seals its open shard on SIGTERM) and wait, killing it after 30 s; safe to call

@@ -107,10 +107,8 @@ def test_a_block_split_needs_equal_blocks() -> None:
 
 def test_train_with_sequence_parallel_under_torchrun_logs_the_single_process_losses(tmp_path: Path) -> None:
     import json
-    import subprocess
-    import sys
 
-    from test_trainer_train import REPO_ROOT, run_config
+    from test_trainer_train import run_config, train_under_torchrun
     from trainer.config_io import config_from_dict
     from trainer.metrics import read_metrics
     from trainer.train import Config as TrainConfig
@@ -123,13 +121,7 @@ def test_train_with_sequence_parallel_under_torchrun_logs_the_single_process_los
     train(config_from_dict(TrainConfig, run_config(tmp_path / "one", shards, **settings)))
     config_path = tmp_path / "split.json"
     config_path.write_text(json.dumps(run_config(tmp_path / "split", shards, sequence_parallel=2, **settings)))
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "eagle_tap.cli", "train", "--config", str(config_path)],
-        cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    train_under_torchrun(config_path, num_processes=2)
     one, split = (read_metrics(tmp_path / name / "metrics.jsonl", "train") for name in ("one", "split"))
     for a, b in zip(one, split, strict=True):
         assert (a["num_records"], a["num_loss_tokens"]) == (b["num_records"], b["num_loss_tokens"])

@@ -24,6 +24,17 @@ import trainer_data  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def train_under_torchrun(config_path: Path, num_processes: int) -> None:
+    """`eagle-tap train --config config_path` on num_processes gloo ranks (one thread each), as a user runs it."""
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(num_processes),
+         "-m", "eagle_tap.cli", "train", "--config", str(config_path)],
+        cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
 def run_config(out_dir: Path, shards: Path, **settings) -> dict:
     inputs = trainer_data.prepared_inputs()
     config = {
@@ -97,13 +108,7 @@ def test_two_torchrun_ranks_follow_the_loss_curve_of_one_process_with_the_same_g
     train(config_from_dict(Config, run_config(tmp_path / "one", shards, data__batch_size=8, **settings)))
     config_path = tmp_path / "two.json"
     config_path.write_text(json.dumps(run_config(tmp_path / "two", shards, data__batch_size=4, **settings)))
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "eagle_tap.cli", "train", "--config", str(config_path)],
-        cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    train_under_torchrun(config_path, num_processes=2)
 
     def records_per_step(path: Path) -> dict[int, list[str]]:
         steps: dict[int, list[str]] = {}

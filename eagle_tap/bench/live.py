@@ -30,8 +30,6 @@ import shutil
 import statistics
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -218,21 +216,12 @@ def live_workload(chat, config: Config, number: int, server_name: str) -> list[t
     return requests
 
 
-def _record_exists(collector: CollectorProcess, record_id: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{collector.url}/v1/records/{record_id}", timeout=30):
-            return True
-    except urllib.error.HTTPError as error:
-        if error.code == 404:
-            return False
-        raise
-
 
 def wait_records(collector: CollectorProcess, record_ids: list[str], timeout_s: float = 120.0) -> None:
     """Until the collector holds every one of record_ids (blocks a record refers to are sent before it)."""
     started, waiting = time.perf_counter(), list(record_ids)
     while waiting:
-        waiting = [record_id for record_id in waiting if not _record_exists(collector, record_id)]
+        waiting = [record_id for record_id in waiting if not collector.has_record(record_id)]
         if waiting and time.perf_counter() - started > timeout_s:
             raise RuntimeError(f"{len(waiting)} of {len(record_ids)} records not stored after {timeout_s:.0f} s")
         if waiting:

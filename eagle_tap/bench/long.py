@@ -36,8 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -156,15 +154,6 @@ def scheduler_pid(server: SGLangServer) -> int:
     raise RuntimeError(f"no sglang::scheduler process under the server's pid {server.pid}")
 
 
-def record_known(collector: CollectorProcess, record_id: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{collector.url}/v1/records/{record_id}", timeout=30):
-            return True
-    except urllib.error.HTTPError as error:
-        if error.code == 404:
-            return False
-        raise
-
 
 def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.05):
     deadline = time.monotonic() + timeout_s
@@ -212,7 +201,7 @@ def measure_length(length: int, config: Config, servers: dict[str, SGLangServer]
     started = time.perf_counter()
     answer = generate(servers["capturing"], ids, config.new_tokens, tag)
     served_s = time.perf_counter() - started
-    wait_until(lambda: record_known(collector, record_id), 600, f"the collector to hold {record_id}")
+    wait_until(lambda: collector.has_record(record_id), 600, f"the collector to hold {record_id}")
     capture_s = time.perf_counter() - started
     server_peak = server.bytes_above_start()
     layout = wait_until(lambda: sealed_layout(collector.data_dir, record_id), 120, f"{record_id} in a sealed shard",
