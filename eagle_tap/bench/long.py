@@ -290,6 +290,8 @@ def report(config: Config, rows: list[dict[str, Any]], context_length: int) -> d
         text = f"{low:,.1f} -> {high:,.1f} MB"
         if ratio is None:
             return text
+        if high < 0:  # the capturing server peaked lower than the plain one: the difference is their noise
+            return f"{text} (below the noise of two servers' peaks)"
         return f"{text}, {ratio:.2f}x" + (f" ({'met' if ratio <= FLAT_GOAL else 'missed'})" if goal else "")
 
     dropped = {f"{row['length']}: {reason}": count for row in rows for reason, count in row["dropped"].items()}
