@@ -37,6 +37,7 @@ __all__ = [
     "CLOSING_KEY",
     "MAX_PARTS",
     "PART_KEY",
+    "SENDER_MAX_BACKOFF_S",
     "ClosingParts",
     "PartOf",
     "PartsDigest",
@@ -51,6 +52,10 @@ PART_KEY = "capture_part"
 CLOSING_KEY = "capture_parts"
 """Metadata key of the record that closes a capture sent in parts: {"count": parts, "digest": PartsDigest}."""
 MAX_PARTS = 1 << 20
+SENDER_MAX_BACKOFF_S = 10.0
+"""The longest a plugin waits between two tries to reach its collector (its spool backoff doubles from 0.5 s
+up to this). A collector's part timeout must be well above it, or the parts of a capture can expire while
+the plugin is still re-sending them; the collector warns below `2 * SENDER_MAX_BACKOFF_S`."""
 _DIGEST_PATTERN = re.compile(r"[0-9a-f]{32}", re.ASCII)
 _DIGEST_DOMAIN = b"eagle-tap capture parts v1\0"
 

@@ -61,7 +61,9 @@ class _StatsCollector:
         for key, name, help_text in (
                 ("parts_staged", "parts_kept", "Parts of captures kept until their record comes."),
                 ("captures_closed", "part_captures_closed", "Captures sent in parts stored whole."),
-                ("captures_expired", "part_captures_expired", "Captures whose parts were removed, never closed.")):
+                ("captures_expired", "part_captures_expired", "Captures whose parts were removed, never closed."),
+                ("records_refused_parts_expired", "part_records_refused_expired",
+                 "Records refused because their parts expired while their plugin was still sending.")):
             yield CounterMetricFamily(f"{_PREFIX}_{name}", help_text, value=parts[key])
         upload = stats.get("upload")
         if upload is not None:  # only with upload_to

@@ -13,10 +13,12 @@ What must hold:
   attempt at the request) replaces it, and the closing record's digest decides which attempt closes;
 - a record closes only over exactly its `count` parts, each with the checksum its digest names, each
   referring to the one before it and the record to the last: else 409 naming what is missing or differs,
-  nothing appended;
+  nothing appended; a record whose parts were removed by the timeout gets `parts_expired` (counted and
+  logged: its plugin was still sending when they expired), not `parts_missing`;
 - the parts of a capture that is never closed (request aborted, server killed) are removed once no part of
-  it came for `timeout_s`, counted, never appended; after a restart the same timeout runs from the files'
-  modification times;
+  it came for `timeout_s`, counted, never appended; after a restart the same timeout runs from the later
+  of the files' modification times and the collector's start, so the time it was down (when no plugin
+  could reach it) never counts against a capture.
 - all of one capture's part and closing work runs under that capture's lock, in arrival order, so a part
   and its closing record in one batch are handled part first. File I/O runs in threads, off the loop.
 """
@@ -25,10 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -47,6 +50,10 @@ __all__ = ["CaptureParts", "StagedPart"]
 PARTS_DIRECTORY = "parts"
 _FRAME_SUFFIX = ".frame"
 _STORED_SUFFIX = ".stored"
+_MAX_EXPIRED_REMEMBERED = 1 << 16
+"""Captures whose parts expired, remembered (oldest forgotten first) to name why their record is refused."""
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +77,10 @@ class CaptureParts:
         self.counts: Counter[str] = Counter()
         self._open: set[str] = set()
         """Captures with parts kept here (filled from the folder by the first sweep, then kept up to date)."""
+        self._expired: OrderedDict[str, None] = OrderedDict()
+        """Captures this process removed parts of by the timeout, newest last, and not closed since."""
+        self._started_s = time.time()
+        """Parts left by an earlier run expire no sooner than timeout_s after this."""
 
     @asynccontextmanager
     async def lock(self, record_id: str) -> AsyncIterator[None]:
@@ -115,8 +126,15 @@ class CaptureParts:
         missing = [index for index in range(closing.count) if index not in staged]
         if missing:
             shown = ", ".join(map(str, missing[:20])) + (", ..." if len(missing) > 20 else "")
+            if record_id in self._expired:
+                self.counts["records_refused_parts_expired"] += 1
+                log.warning("refused record %s: its parts %s expired (no part came for %.0f s) while its plugin "
+                            "was still sending; raise --part-timeout-s", record_id, shown, self.timeout_s)
+                raise ApiError(409, "parts_expired", f"record {record_id} closes {closing.count} parts; parts {shown} "
+                               f"were removed after the part timeout ({self.timeout_s:g} s without a part of this "
+                               "capture) before the record came: raise the collector's --part-timeout-s")
             raise ApiError(409, "parts_missing", f"record {record_id} closes {closing.count} parts; parts {shown} "
-                           "were never received (or were removed after the part timeout): send the capture again")
+                           "were never received: send the capture again")
         parts = [staged[index] for index in range(closing.count)]
         digest = PartsDigest()
         for part in parts:
@@ -141,6 +159,7 @@ class CaptureParts:
         """Drops a closed capture's folder. In a thread."""
         shutil.rmtree(self.directory / record_id, ignore_errors=True)
         self._open.discard(record_id)
+        self._expired.pop(record_id, None)
         self.counts["captures_closed"] += 1
 
     def sweep(self, now_s: float | None = None) -> None:
@@ -154,10 +173,14 @@ class CaptureParts:
                 continue  # being staged or closed now
             files = [entry.stat() for entry in os.scandir(folder)] if folder.is_dir() else []
             newest = max((stat.st_mtime for stat in files), default=folder.stat().st_mtime)
-            if now_s - newest < self.timeout_s:
+            if now_s - max(newest, self._started_s) < self.timeout_s:
                 continue
             shutil.rmtree(folder, ignore_errors=True)
             self._open.discard(folder.name)
+            self._expired[folder.name] = None
+            self._expired.move_to_end(folder.name)
+            if len(self._expired) > _MAX_EXPIRED_REMEMBERED:
+                self._expired.popitem(last=False)
             self.counts["captures_expired"] += 1
             self.counts["parts_expired"] += len(files)
             self.counts["bytes_expired"] += sum(stat.st_size for stat in files)
@@ -165,7 +188,8 @@ class CaptureParts:
     def stats(self) -> dict[str, Any]:
         """Counts kept in memory: no disk I/O (the event loop calls it)."""
         counts = {key: self.counts[key] for key in
-                  ("parts_staged", "captures_closed", "captures_expired", "parts_expired", "bytes_expired")}
+                  ("parts_staged", "captures_closed", "captures_expired", "parts_expired", "bytes_expired",
+                   "records_refused_parts_expired")}
         return {"open_captures": len(self._open), "timeout_s": self.timeout_s, **counts}
 
 

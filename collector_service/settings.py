@@ -7,6 +7,7 @@ not on the first request), and the service refuses to listen beyond loopback wit
 from __future__ import annotations
 
 import ipaddress
+import logging
 from pathlib import Path
 from typing import Literal
 
@@ -14,11 +15,13 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from capture_format.object_store import parse_location
+from capture_format.parts import SENDER_MAX_BACKOFF_S
 from capture_format.shard_index import check_collector_id
 
 __all__ = ["CollectorSettings", "DurabilityMode", "is_loopback_host"]
 
 DurabilityMode = Literal["fsync", "none"]
+log = logging.getLogger(__name__)
 
 
 def is_loopback_host(host: str) -> bool:
@@ -59,7 +62,8 @@ class CollectorSettings(BaseSettings):
     part_timeout_s: float = Field(default=1800.0, gt=0)
     """Parts of a capture sent in parts are removed (and counted) once none of its parts came for this long
     and its closing record has not: an aborted request, a killed server. Longer than the plugin's
-    EAGLE_TAP_PARTIAL_TTL_S, so a slow generation is never cut."""
+    EAGLE_TAP_PARTIAL_TTL_S, so a slow generation is never cut, and well above the plugin's longest wait
+    between re-sends (10 s; a warning below 20 s). After a restart it runs from the collector's start."""
     max_group_commit_bytes: int = Field(default=256 << 20, ge=1)
     """Bytes appended before one fdatasync covers them (bounds ack latency under heavy load)."""
     max_inflight_bytes: int = Field(default=4 << 30, ge=64)
@@ -126,4 +130,8 @@ class CollectorSettings(BaseSettings):
             parse_location(self.upload_to)
         if self.collector_id is not None:
             check_collector_id(self.collector_id)
+        if self.part_timeout_s < 2 * SENDER_MAX_BACKOFF_S:
+            log.warning("part_timeout_s=%g is below twice the plugin's longest wait between re-sends (%g s): "
+                        "parts of a capture may expire while its plugin is still re-sending them",
+                        self.part_timeout_s, SENDER_MAX_BACKOFF_S)
         return self

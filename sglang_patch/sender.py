@@ -33,7 +33,7 @@ import torch
 
 from capture_format import CaptureRecord, StatesPrefix, encode_frame
 from capture_format.frames import inspect_frame_header
-from capture_format.parts import PartsDigest, closing_metadata, part_metadata
+from capture_format.parts import SENDER_MAX_BACKOFF_S, PartsDigest, closing_metadata, part_metadata
 from capture_format.prefix_blocks import BLOCK_KIND, block_record_id, prefix_key, prefix_keys, states_namespace
 from sglang_patch.capture import CapturedSequence
 from sglang_patch.delivery import CollectorClient, Verdict
@@ -49,7 +49,6 @@ _STATE_DTYPES = {
     torch.float16: ("float16", torch.float16, np.float16),
     torch.float32: ("float32", torch.float32, np.float32),
 }
-_MAX_BACKOFF_S = 10.0
 _LOG_EVERY_S = 60.0
 
 
@@ -346,7 +345,9 @@ class Sender:
         retry = next((verdict for verdict in verdicts if verdict.outcome == "retry"), None)
         for verdict in verdicts:
             if verdict.outcome == "rejected":
-                self._stats.drop("rejected_by_collector")
+                # A record refused because its parts expired at the collector is told apart from a bad frame.
+                self._stats.drop("parts_expired" if verdict.why.startswith("parts_expired")
+                                 else "rejected_by_collector")
                 logger.error("eagle-tap: collector rejected a frame: %s", verdict.why[:500])
             elif verdict.outcome != "retry":
                 self._stats.add({"sent": "sent", "duplicate": "duplicates"}[verdict.outcome])
@@ -358,7 +359,7 @@ class Sender:
                 logger.warning("eagle-tap: collector not taking frames (%s); spooling to %s", retry.why[:500],
                                self._spool.directory)
             self._retry_at = time.monotonic() + self._backoff_s
-            self._backoff_s = min(self._backoff_s * 2, _MAX_BACKOFF_S)
+            self._backoff_s = min(self._backoff_s * 2, SENDER_MAX_BACKOFF_S)
         return verdicts
 
     def _write_stats(self) -> None:

@@ -137,6 +137,32 @@ def test_a_record_missing_a_part_is_refused_and_unclosed_parts_expire(collector,
     assert parts_stats["captures_expired"] == 1 and parts_stats["parts_expired"] == 2
     assert not any((tmp_path / "data" / "parts").iterdir())
     assert collector.stats()["num_records"] == 0
+    # Its record coming after that is told apart from a record whose parts never came: counted and named.
+    late = collector.post(closing)
+    assert late.status_code == 409 and late.json()["error"] == "parts_expired", late.json()
+    assert "--part-timeout-s" in late.json()["detail"]
+    assert collector.stats()["parts"]["records_refused_parts_expired"] == 1
+    assert "eagle_tap_collector_part_records_refused_expired_total 1.0" in collector.client.get("/metrics").text
+
+
+def test_parts_left_by_an_earlier_run_expire_no_sooner_than_the_timeout_after_the_restart(tmp_path) -> None:
+    """The time a collector was down, when no plugin could send, never counts against a capture."""
+    import os
+
+    parts, closing = part_frames("across-restart", 30, 10)
+    with ThreadedCollector(data_dir=tmp_path / "data", part_timeout_s=5.0) as first:
+        for frame in parts:
+            assert first.post(frame).status_code == 201
+    long_ago = time.time() - 3600  # as if the collector had been down for an hour
+    for path in (tmp_path / "data" / "parts").rglob("*"):
+        os.utime(path, (long_ago, long_ago))
+    with ThreadedCollector(data_dir=tmp_path / "data", part_timeout_s=5.0) as second:
+        deadline = time.monotonic() + 4
+        while not second.stats()["parts"]["open_captures"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # the first sweep lists the folder (and, timed from the files alone, removed it)
+        parts_stats = second.stats()["parts"]
+        assert parts_stats["open_captures"] == 1 and parts_stats["captures_expired"] == 0, parts_stats
+        assert second.post(closing).status_code == 201
 
 
 def test_parts_of_another_attempt_do_not_close_a_record(collector) -> None:
