@@ -86,14 +86,19 @@ def free_port() -> int:
 def test_two_ranks_take_the_single_process_step_on_a_window_split_between_them(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
+    from trainer.dense_reference import dense_objective
+
     torch.set_num_threads(1)
     want = step(objective(), None)
+    with dense_objective():  # the same step with every score materialised (trainer/dense_reference.py)
+        dense = step(objective(), None)
     assert want["total"][1:].sum() > 0 and len([name for name in want if name.startswith("grad.")]) == 13
     torch.multiprocessing.spawn(run_rank, args=(free_port(), str(tmp_path)), nprocs=NUM_RANKS)
-    for rank in range(NUM_RANKS):  # every rank holds the whole step: same loss, same summed gradients
+    # Every rank holds the whole step: same loss, same summed gradients as one process, fused or dense.
+    for rank, reference in [(rank, reference) for rank in range(NUM_RANKS) for reference in (want, dense)]:
         got = load_file(tmp_path / f"rank{rank}.safetensors")
-        assert got.keys() == want.keys()
-        for name, value in want.items():
+        assert got.keys() == reference.keys()
+        for name, value in reference.items():
             torch.testing.assert_close(got[name], value.float() if name in ("correct", "total") else value,
                                        rtol=1e-5, atol=1e-6, msg=lambda message: f"rank {rank}, {name}: {message}")
 

@@ -19,8 +19,14 @@ entry is attended causally (within each record), the later ones only at the quer
 draft's chain of guesses at that position). With an empty cache this is plain causal attention.
 Under sequence parallelism (trainer/sequence_parallel.py) a rank holds a block of positions: its
 queries attend to the first step's keys of every rank (`gather_keys`), its chain keys stay its own.
-Scores are materialised, (B, N, S, S), for clarity; long rows on GPU would want flex attention
-with the same mask.
+
+Memory is linear in the window (`attend`): the first step's keys go through PyTorch's fused
+`scaled_dot_product_attention` (flash / memory-efficient kernels, no (S, T) scores kept), and a later
+step's chain keys, one per earlier step at the query's own row, are merged with it through the
+log-sum-exp of its scores, so the result is the softmax over all T + J keys at once. That log-sum-exp
+is computed over query chunks whose scores are recomputed in the backward (`first_step_logsumexp`).
+The dense form it equals (one softmax over materialised scores) is `trainer/dense_reference.py`, the
+tests' and the benchmark's reference.
 
 Shape legend: B rows, S positions, H hidden, K capture layers, N query heads, G key/value heads,
 E head dim, J cached steps, V target vocab, D draft vocab, T key positions (S, or every sequence-parallel
@@ -37,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -148,21 +155,62 @@ class Attention(nn.Module):
         if not cache and gather_keys is not None:  # sequence parallel: the first step's keys of every rank
             k, v = gather_keys(k), gather_keys(v)  # (B, N, T, E) each, T = all positions
         cache.append((k, v))
-        scale = 1.0 / math.sqrt(self.head_dim)
-        k0, v0 = cache[0]  # (B, N, T, E): T = S, or every rank's positions
-        T = k0.shape[2]
-        scores = (q @ k0.transpose(-1, -2)) * scale  # (B, N, S, T): the first step's keys, causal per record
-        scores = scores.masked_fill(~mask, float("-inf"))
-        if len(cache) > 1:
-            k_chain = torch.stack([k_j for k_j, _ in cache[1:]], dim=3)  # (B, N, S, J, E)
-            v_chain = torch.stack([v_j for _, v_j in cache[1:]], dim=3)  # (B, N, S, J, E)
-            chain_scores = (q.unsqueeze(3) * k_chain).sum(-1) * scale  # (B, N, S, J): own row of later steps
-            scores = torch.cat([scores, chain_scores], dim=-1)  # (B, N, S, T + J)
-        probs = scores.float().softmax(dim=-1).to(q.dtype)  # (B, N, S, T [+ J])
-        out = probs[..., :T] @ v0  # (B, N, S, E)
-        if len(cache) > 1:
-            out = out + (probs[..., T:].unsqueeze(-1) * v_chain).sum(3)  # (B, N, S, E)
+        out = attend(q, cache, mask, 1.0 / math.sqrt(self.head_dim))  # (B, N, S, E)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # (B, S, H)
+
+
+SCORE_CHUNK_BYTES = 64 << 20
+"""fp32 scores held at once while `first_step_logsumexp` runs, in its forward or its backward."""
+
+
+def attend(q: torch.Tensor, cache: list, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (B, N, S, E) against the first step's keys cache[0] (B, N, T, E each), where mask (B, 1, S, T) allows,
+    and the later steps' keys cache[1:] (B, N, S, E each) at the query's own row: one softmax over T + J keys.
+    mask: bool, or an `attention_bias` in q's dtype (what the unroll passes: SDPA keeps its mask for the
+    backward, and a bool one is converted to a new float tensor at every call)."""
+    k0, v0 = cache[0]
+    out0 = F.scaled_dot_product_attention(q, k0, v0, attn_mask=mask, scale=scale)  # (B, N, S, E)
+    if len(cache) == 1:
+        return out0
+    k_chain = torch.stack([k_j for k_j, _ in cache[1:]], dim=3)  # (B, N, S, J, E)
+    v_chain = torch.stack([v_j for _, v_j in cache[1:]], dim=3)  # (B, N, S, J, E)
+    accumulate = torch.promote_types(q.dtype, torch.float32)  # fp32 for bf16 and fp32 (fp64 stays fp64)
+    chain_scores = ((q.unsqueeze(3) * k_chain).sum(-1) * scale).to(accumulate)  # (B, N, S, J)
+    lse0 = first_step_logsumexp(q, k0, mask, scale)  # (B, N, S)
+    lse = torch.logaddexp(lse0, chain_scores.logsumexp(-1))  # (B, N, S): over all T + J keys
+    weight0 = (lse0 - lse).exp().unsqueeze(-1).to(q.dtype)  # (B, N, S, 1): the first step's share
+    chain_probs = (chain_scores - lse.unsqueeze(-1)).exp().to(q.dtype)  # (B, N, S, J)
+    return weight0 * out0 + (chain_probs.unsqueeze(-1) * v_chain).sum(3)  # (B, N, S, E)
+
+
+def first_step_logsumexp(q: torch.Tensor, k0: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """(B, N, S), fp32 or wider: log sum_t exp(q.k0_t * scale) over the keys mask allows, over chunks of queries whose
+    scores (B, N, chunk, T) are recomputed in the backward rather than kept (at most SCORE_CHUNK_BYTES each)."""
+    B, N, S, _ = q.shape
+    T = k0.shape[2]
+    chunk = max(1, SCORE_CHUNK_BYTES // (4 * B * N * T))
+    return torch.cat([checkpoint(_masked_logsumexp, q[:, :, start : start + chunk], k0,
+                                 mask[:, :, start : start + chunk], scale, use_reentrant=False)
+                      for start in range(0, S, chunk)], dim=2)  # (B, N, S)
+
+
+def _masked_logsumexp(q: torch.Tensor, k0: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    scores = (q @ k0.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)) * scale  # (B, N, s, T)
+    return masked(scores, mask).logsumexp(-1)  # (B, N, s)
+
+
+def masked(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """scores (B, N, S, T) with -inf where mask (B, 1, S, T; bool, or an additive `attention_bias`) forbids."""
+    return scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+
+
+def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """mask (B, 1, S, T) bool as the additive form SDPA takes: 0 where allowed, -inf elsewhere, in dtype. Its rows
+    are laid 16 elements apart (a view of a (B, 1, S, T rounded up to 16) tensor), as CUDA's memory-efficient
+    kernel needs: a bias not so aligned would be padded into a new copy at every call."""
+    B, _, S, T = mask.shape
+    padded = torch.zeros(B, 1, S, -(-T // 16) * 16, dtype=dtype, device=mask.device)  # (B, 1, S, T16)
+    return padded[..., :T].masked_fill_(~mask, float("-inf"))  # (B, 1, S, T)
 
 
 class MLP(nn.Module):
@@ -194,10 +242,11 @@ class DecoderLayer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, frozen_dtype: torch.dtype = torch.float32) -> None:
+        """frozen_dtype: of the target's embedding (V, H), bf16 on GPU: never trained, read a row at a time."""
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=frozen_dtype)
         self.embed_tokens.weight.requires_grad_(False)  # the target's (trainer/target_weights.py)
         self.fc = nn.Linear(config.num_aux_hidden_states * config.target_hidden_size, config.hidden_size, bias=False)
         self.midlayer = DecoderLayer(config)
