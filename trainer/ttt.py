@@ -14,6 +14,10 @@ shift and whose target argmax is in the draft vocab; the total is sum_i step_wei
 Accuracy of step i: the share of loss-masked rows where the draft's argmax is the target's argmax;
 a target argmax outside the draft vocab counts as a miss, since the draft could never propose it.
 
+Memory: the target distribution (rows, D) fp32 is computed once per batch and each step reads a view of
+it (no shifted copy per step); the cross-entropy runs over chunks of rows in its forward and its backward
+(`soft_cross_entropy`), so no (rows, D) fp32 log-softmax is kept per step: only the step's logits.
+
 Shape legend: B rows, S positions, H hidden, K capture layers, V target vocab, D draft vocab, J steps.
 """
 
@@ -26,8 +30,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from trainer.model import Eagle3Draft, causal_mask
+from trainer.model import Eagle3Draft, attention_bias, causal_mask
 
 
 @dataclass(kw_only=True, slots=True)
@@ -40,6 +45,52 @@ class Config:
     """Loss weight of step i is step_weight ** i."""
     target_chunk_rows: int = 4096
     """Rows per chunk when computing target logits over the full vocab (bounds (rows, V) memory)."""
+    loss_chunk_rows: int = 1024
+    """Rows per chunk of the cross-entropy's forward and backward (bounds its (rows, D) fp32 temporaries)."""
+    checkpoint_steps: bool = False
+    """Activation checkpointing of TTT steps 1..J-1: each keeps only its inputs, logits and keys/values, and is
+    recomputed in the backward (about a third more compute), for the longest windows."""
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """sum over rows of weight * (-sum_d p_d log_softmax(logits)_d), in chunks of rows; saves only its inputs."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target_p: torch.Tensor, weights: torch.Tensor,
+                chunk_rows: int) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        for rows in _row_chunks(logits.shape, chunk_rows):
+            z = logits[rows].float()  # (c, D)
+            p = target_p[rows]  # (c, D)
+            cross_entropy = z.logsumexp(-1) * p.sum(-1) - (p * z).sum(-1)  # (c,)
+            total += (cross_entropy * weights[rows]).sum()
+        ctx.save_for_backward(logits, target_p, weights)
+        ctx.chunk_rows = chunk_rows
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        logits, target_p, weights = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)  # (B, n, D)
+        for rows in _row_chunks(logits.shape, ctx.chunk_rows):
+            p = target_p[rows]  # (c, D)
+            z_grad = logits[rows].float().softmax(-1) * p.sum(-1, keepdim=True) - p  # (c, D)
+            grad_logits[rows] = (z_grad * (weights[rows] * grad).unsqueeze(-1)).to(logits.dtype)
+        return grad_logits, None, None, None
+
+
+def _row_chunks(shape: torch.Size, chunk_rows: int) -> Iterator[tuple[int, slice]]:
+    """Index (b, rows) of each chunk of a (B, n, ...) tensor: chunk_rows rows of one batch row at a time."""
+    for b in range(shape[0]):
+        for start in range(0, shape[1], chunk_rows):
+            yield b, slice(start, start + chunk_rows)
+
+
+def soft_cross_entropy(logits: torch.Tensor, target_p: torch.Tensor, weights: torch.Tensor,
+                       chunk_rows: int) -> torch.Tensor:
+    """sum_(b,r) weights[b, r] * CE(target_p[b, r], softmax(logits[b, r])): logits (B, n, D) in any float dtype,
+    target_p (B, n, D) fp32 (a view is fine: nothing is copied), weights (B, n) fp32. A scalar, fp32."""
+    return _SoftCrossEntropy.apply(logits, target_p, weights, chunk_rows)
 
 
 def shift_rows(x: torch.Tensor, steps: int, fill: float | int | bool) -> torch.Tensor:
@@ -99,19 +150,38 @@ class Eagle3Objective(nn.Module):
         n = end - first
         doc_ids = batch["doc_ids"][:, first:reach]  # (B, n + reach)
         input_ids, loss_mask = batch["input_ids"][:, first:reach], batch["loss_mask"][:, first:reach]  # (B, n+)
+        # Padded to n + J - 1 rows (zeros, out of vocab: rows past the batch are never scored) so every step's
+        # shifted target is a view of the one tensor.
         target_p, in_vocab = self.target_distribution(batch["final"][:, first:reach])  # (B, n+, D), (B, n+)
-        mask = causal_mask(batch["doc_ids"], first, end)  # (B, 1, n, S)
+        padding = n + self.config.ttt_steps - 1 - target_p.shape[1]
+        target_p, in_vocab = F.pad(target_p, (0, 0, 0, padding)), F.pad(in_vocab, (0, padding))  # (B, n+J-1, ...)
         hidden = self.draft.fc(batch["aux"][:, first:end].to(self.draft.fc.weight.dtype))  # (B, n, H)
+        # One additive mask in the attention's dtype (bf16 under autocast) that every step's attention shares.
+        mask = attention_bias(causal_mask(batch["doc_ids"], first, end), hidden.dtype)  # (B, 1, n, S)
         position_ids = batch["position_ids"][:, first:end]  # (B, n)
         gather_keys = None if blocks is None else blocks.gather
         cache: list = []
         for step in range(self.config.ttt_steps):
             counted = scored_rows(loss_mask, doc_ids, step)[:, :n]  # (B, n)
             step_ids = shift_rows(input_ids, step, 0)[:, :n]  # (B, n)
-            hidden, logits = self.draft(hidden, step_ids, position_ids + step, mask, cache,
-                                        gather_keys)  # (B, n, H), (B, n, D)
-            yield {"logits": logits, "target_p": shift_rows(target_p, step, 0.0)[:, :n], "counted": counted,
-                   "learned": counted & shift_rows(in_vocab, step, False)[:, :n]}
+            if step > 0 and self.config.checkpoint_steps and torch.is_grad_enabled():
+                # Step 0 is never checkpointed: under sequence parallelism it gathers keys (a collective).
+                hidden, logits, *key_value = checkpoint(self._step_from, hidden, step_ids, position_ids + step, mask,
+                                                        *(x for pair in cache for x in pair), use_reentrant=False)
+                cache.append(tuple(key_value))
+            else:
+                hidden, logits = self.draft(hidden, step_ids, position_ids + step, mask, cache,
+                                            gather_keys)  # (B, n, H), (B, n, D)
+            yield {"logits": logits, "target_p": target_p[:, step : step + n], "counted": counted,
+                   "learned": counted & in_vocab[:, step : step + n]}
+
+    def _step_from(self, hidden: torch.Tensor, step_ids: torch.Tensor, position_ids: torch.Tensor,
+                   mask: torch.Tensor, *cached: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One draft step after the earlier steps' keys and values `cached` (k0, v0, k1, v1, ...): its out, logits,
+        and its own key and value. A pure function of its inputs, so a checkpoint can run it again."""
+        cache = [(cached[i], cached[i + 1]) for i in range(0, len(cached), 2)]
+        out, logits = self.draft(hidden, step_ids, position_ids, mask, cache)  # (B, n, H), (B, n, D)
+        return out, logits, *cache[-1]
 
     def forward(
         self, batch: dict[str, Any], blocks: Any = None,
@@ -127,9 +197,8 @@ class Eagle3Objective(nn.Module):
         numerators, learned_counts, correct, total = [], [], [], []
         for out in self.unroll(batch, blocks):
             learned = out["learned"]  # (B, n)
-            log_q = F.log_softmax(out["logits"].float(), dim=-1)  # (B, n, D)
-            cross_entropy = -(out["target_p"] * log_q).sum(-1)  # (B, n)
-            numerators.append((cross_entropy * learned).sum())
+            numerators.append(soft_cross_entropy(out["logits"], out["target_p"], learned.float(),
+                                                 self.config.loss_chunk_rows))
             learned_counts.append(learned.sum())
             correct.append(((out["logits"].argmax(-1) == out["target_p"].argmax(-1)) & learned).sum())
             total.append(out["counted"].sum())
