@@ -42,6 +42,7 @@ import torch
 
 import capture_format as cf
 from trainer import data, distributed, sequence_parallel, ttt
+from trainer.budget import memory_budget
 from trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
 from trainer.config_io import config_from_dict, config_to_dict
 from trainer.data import Config as DataConfig
@@ -112,7 +113,8 @@ class Config:
     device: str = "auto"
     """auto (cuda when present), cpu or cuda."""
     bf16_autocast: bool = True
-    """bf16 autocast on GPU (weights and optimizer stay fp32); CPU always runs fp32."""
+    """bf16 autocast on GPU: activations bf16, trained weights and AdamW fp32 (the master weights), the frozen
+    target embedding and lm_head bf16 (on GPU whether or not this is set); CPU always runs fp32."""
     num_threads: int | None = None
     """torch CPU threads per process (None: torch's default)."""
     progress_bar: bool = True
@@ -156,17 +158,21 @@ def build_objective(
         raise ValueError(f"the vocab mapping has {mapping.d2t.size} draft tokens; {config.draft_config} says "
                          f"draft_vocab_size {model_config.draft_vocab_size}. Make them agree")
     embedding, lm_head = load_embedding_and_lm_head(config.target, bool(target.get("tie_word_embeddings", False)))
+    # The frozen target tensors: fp32 on CPU (exact tests), bf16 on GPU, where no fp32 copy of either is made.
+    frozen_dtype = torch.float32 if runtime.device.type == "cpu" else torch.bfloat16
     torch.manual_seed(config.seed)
-    draft = Eagle3Draft(model_config)
+    draft = Eagle3Draft(model_config, frozen_dtype=frozen_dtype)
     draft_ids = torch.from_numpy(mapping.draft_token_ids)
     with torch.no_grad():
-        draft.embed_tokens.weight.copy_(embedding.float())
+        draft.embed_tokens.weight.copy_(embedding)
         draft.d2t.copy_(torch.from_numpy(mapping.d2t))
         draft.t2d.copy_(torch.from_numpy(mapping.t2d))
         if config.init_lm_head_from_target:
             draft.lm_head.weight.copy_(lm_head[draft_ids].float())
-    head_dtype = torch.float32 if runtime.device.type == "cpu" else torch.bfloat16
-    objective = ttt.Eagle3Objective(draft, lm_head.to(head_dtype), config.objective).to(runtime.device)
+    objective = ttt.Eagle3Objective(draft, lm_head.to(frozen_dtype), config.objective).to(runtime.device)
+    budget = memory_budget(objective)
+    if runtime.is_main:
+        log.info("memory per rank: %s", budget.summary())
     return objective, draft_json, fingerprint
 
 
