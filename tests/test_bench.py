@@ -221,3 +221,26 @@ def test_long_bench_captures_stores_and_trains_a_record_per_length_and_reports_p
         assert row["train_peak_mb"] > 100  # a whole Python process with torch
     assert result["summary"]["dropped"] == {}
     assert set(result["summary"]["ratios_longest_over_reference"]) >= {"server_peak_mb", "collector_peak_mb"}
+
+
+def test_trainer_scale_bench_measures_both_forms_and_projects_kimi_from_exact_counts() -> None:
+    from eagle_tap.bench import trainer_scale
+
+    config = trainer_scale.Config.quick()
+    result = run_benchmarks(["trainer-scale"], configs={"trainer-scale": config},
+                            log=lambda line: None)["benchmarks"]["trainer-scale"]
+    _check_well_formed(result)
+    measured = [row for row in result["rows"] if row["peak_mib"] is not None]
+    assert [(row["item"], row["window"]) for row in measured] == [
+        (f"{form}, CPU fp32", S) for form in ("dense", "fused") for S in config.windows]
+    assert all(row["tokens_s"] > 0 and row["peak_mib"] > 0 for row in measured)
+    assert all(row["model_mib"] > 0 for row in measured if row["item"].startswith("fused"))
+    projection = result["summary"]["kimi_projection"]
+    assert list(projection) == [str(S) for S in config.kimi_windows]
+    peaks = [projection[str(S)]["ddp_gib"] for S in config.kimi_windows]
+    assert peaks == sorted(peaks) and peaks[0] > 20  # at least the fixed weights, gradients and AdamW state
+    # The model's coefficients are exact counts: the draft vocab's is the step's logits (fp32: 4 B) per TTT
+    # step plus the one fp32 target distribution; under autocast the logits are bf16.
+    steps = config.shape.ttt_steps
+    assert result["summary"]["cpu_model"]["draft_vocab_size"] == pytest.approx(4 * steps + 4, rel=0.05)
+    assert result["summary"]["gpu_model"]["draft_vocab_size"] == pytest.approx(2 * steps + 4, rel=0.05)

@@ -36,6 +36,7 @@ BENCHMARKS: dict[str, str] = {
     "spec-capture": "eagle_tap.bench.spec_capture",
     "swap": "eagle_tap.bench.swap",
     "long": "eagle_tap.bench.long",
+    "trainer-scale": "eagle_tap.bench.trainer_scale",
 }
 """Benchmark name (as `--only` takes it) -> module with `Config` and `run(config)`."""
 REPO_ROOT = Path(__file__).resolve().parents[2]
