@@ -54,7 +54,8 @@ from capture_format.prefix_blocks import DanglingPrefixError, block_record_id, i
 from capture_format.record_windows import RecordLayout, RecordWindow
 from capture_format.shard_index import INDEX_FORMAT_VERSION, IndexEntry, ShardIndex, load_index
 from capture_format.object_store import RecordCache, is_remote
-from capture_format.shard_reader import DamagedShard, ShardDirectory, VerifyReport, open_shard_directory, verify_shard
+from capture_format.shard_directories import open_shard_directory
+from capture_format.shard_reader import DamagedShard, ShardDirectory, VerifyReport, verify_shard
 from capture_format.shards import RecoveryReport, ShardWriter, recover_open_shard, repair_shard, write_shards
 
 __all__ = [

@@ -16,11 +16,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 from capture_format.errors import CaptureFormatError, ChecksumError, FrameError, ShardError
 from capture_format.frames import decode_frame, inspect_frame_header, parse_frame_prefix
-from capture_format.object_store import RecordCache, is_remote
 from capture_format.prefix_blocks import BlockCache, ChainLink, is_prefix_block, resolve_prefix
 from capture_format.record_windows import RecordLayout, RecordWindow, check_window, cut_window, walk_record
 from capture_format.records import CaptureRecord
@@ -35,11 +33,7 @@ from capture_format.shard_index import (
 from capture_format.token_ids import (FrameStart, Pread, RecordTokens, check_entry_fields, read_frame_start,
                                       read_token_ids)
 
-if TYPE_CHECKING:
-    from capture_format.remote_shards import RemoteShardDirectory
-
-__all__ = ["DamagedShard", "ShardDirectory", "VerifyReport", "check_record_bytes", "open_shard_directory",
-           "verify_shard"]
+__all__ = ["DamagedShard", "ShardDirectory", "VerifyReport", "check_record_bytes", "verify_shard"]
 
 def _read_record(fd: int, entry: IndexEntry) -> CaptureRecord:
     return check_record_bytes(os.pread(fd, entry.length, entry.offset), entry, str(entry.shard_path))
@@ -299,15 +293,3 @@ def verify_shard(path: Path | str) -> VerifyReport:
     return VerifyReport(
         shard_path=shard_path, num_records=index.num_records, num_verified=num_verified, problems=tuple(problems)
     )
-
-
-def open_shard_directory(location: str | os.PathLike[str], *, skip_damaged: bool = False,
-                         cache: RecordCache | None = None) -> ShardDirectory | RemoteShardDirectory:
-    """The sealed shards of a local folder or of an s3://bucket/prefix (capture_format.remote_shards),
-    read alike: `shards`, `damaged`, `iter_index`, `read_record`, `read_window`, `read_layout`,
-    `read_token_ids`, `prefetch`."""
-    if is_remote(location):
-        from capture_format.remote_shards import RemoteShardDirectory
-
-        return RemoteShardDirectory(str(location), skip_damaged=skip_damaged, cache=cache)
-    return ShardDirectory(location, skip_damaged=skip_damaged)
