@@ -1,7 +1,8 @@
 """Every setting of the plugin, the collector, the trainer, the loop and the object store in one Markdown table, from the code.
 
-The README embeds the table between `<!-- settings -->` markers; a test fails when the two differ, so
-the table cannot drift from the settings classes. `python -m eagle_tap.settings_table` prints it.
+docs/settings.md embeds the table between `<!-- settings -->` markers; a test (tests/test_readme.py) fails
+when the two differ, so the table cannot drift from the settings classes. `python -m eagle_tap.settings_table`
+prints it: paste its output between the markers in docs/settings.md.
 Names, defaults and meanings come from the classes themselves (the meaning is each field's docstring).
 """
 
@@ -89,8 +90,8 @@ def settings_table() -> str:
     from capture_format.object_store import ENVIRONMENT as OBJECT_STORE_ENVIRONMENT
     from collector_service.settings import CollectorSettings
     from sglang_patch.settings import CaptureSettings
-    from eagle_tap.loop.run import LoopConfig
-    from trainer.train import Config as TrainConfig
+    from eagle_tap.loop.config import LoopConfig
+    from trainer.config import Config as TrainConfig
 
     rows = _pydantic_rows(CaptureSettings, "plugin (SGLang server env)", "EAGLE_TAP_", {})
     rows += _pydantic_rows(CollectorSettings, "collector (env / flag)", "EAGLE_TAP_COLLECTOR_", _collector_flags())

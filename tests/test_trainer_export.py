@@ -26,7 +26,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def trained_run() -> Path:
     """A short training run on the tiny model (out_dir with config.json and final/), built once per process."""
     from trainer.config_io import config_from_dict
-    from trainer.train import Config, train
+    from trainer.config import Config
+    from trainer.train import train
 
     inputs = trainer_data.prepared_inputs()
     out_dir = Path(tempfile.mkdtemp(prefix="eagle-tap-export-run-"))

@@ -116,7 +116,7 @@ def test_train_with_sequence_parallel_under_torchrun_logs_the_single_process_los
     from test_trainer_train import run_config, train_under_torchrun
     from trainer.config_io import config_from_dict
     from trainer.metrics import read_metrics
-    from trainer.train import Config as TrainConfig
+    from trainer.config import Config as TrainConfig
     from trainer.train import train
 
     import trainer_data

@@ -68,7 +68,8 @@ def _train(args: argparse.Namespace) -> int:
     import dataclasses
 
     from trainer.config_io import load_config
-    from trainer.train import Config, train
+    from trainer.config import Config
+    from trainer.train import train
 
     config = load_config(Config, args.config, args.overrides)
     if args.init_from is not None:

@@ -11,13 +11,9 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
-
+from trainer.config import Config
 from trainer.model import Eagle3Draft, trainable_state_dict
 from trainer.run_folder import DraftSource
-
-if TYPE_CHECKING:
-    from trainer.train import Config
 
 log = logging.getLogger(__name__)
 

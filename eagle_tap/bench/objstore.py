@@ -88,7 +88,7 @@ def _upload(shards: Path, url: str) -> dict[str, Any]:
 def run(config: Config) -> dict[str, Any]:
     from eagle_tap.s3_server import S3Server
     from trainer import data, ttt
-    from trainer.train import Config as TrainConfig
+    from trainer.config import Config as TrainConfig
 
     import capture_format as cf
     from eagle_tap.tiny_model import TINY_MODEL_DIR

@@ -183,7 +183,7 @@ def measure_steps(train_config: Any, expected_steps: int, tokens_of: dict[str, i
 
 def run(config: Config) -> dict[str, Any]:
     from trainer import data, ttt
-    from trainer.train import Config as TrainConfig
+    from trainer.config import Config as TrainConfig
 
     work = Path(tempfile.mkdtemp(prefix="eagle-tap-bench-trainer-", dir=config.work_dir))
     try:
