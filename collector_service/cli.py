@@ -215,7 +215,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m collector_service", description=__doc__.splitlines()[0])
     add_commands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
     args = parser.parse_args(argv)
-    from eagle_tap.cli import run_command  # the one error boundary (one line and exit 2 for a mistake)
+    from capture_format.command_line import run_command  # the one error boundary (one line, exit 2 for a mistake)
 
-    args.debug = False
     return run_command(args)

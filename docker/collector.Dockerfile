@@ -12,13 +12,10 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# The collector imports only the shared format and itself (tests/test_architecture.py), so only they are copied.
 COPY pyproject.toml README.md /tmp/eagle-tap/
 COPY capture_format /tmp/eagle-tap/capture_format
-COPY sglang_patch /tmp/eagle-tap/sglang_patch
 COPY collector_service /tmp/eagle-tap/collector_service
-COPY client /tmp/eagle-tap/client
-COPY trainer /tmp/eagle-tap/trainer
-COPY eagle_tap /tmp/eagle-tap/eagle_tap
 RUN pip install "/tmp/eagle-tap[collector,s3]" && rm -rf /tmp/eagle-tap
 
 # Not root; /data belongs to that user before the volume is declared, so a new named volume does too.
@@ -35,5 +32,5 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
   CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8470/healthz', timeout=4)"]
 
 # SIGTERM seals the open shard before exit (give it time: compose.yaml sets stop_grace_period).
-ENTRYPOINT ["eagle-tap"]
+ENTRYPOINT ["python", "-m", "collector_service"]
 CMD ["collect", "--shards", "/data/captures", "--host", "0.0.0.0", "--port", "8470"]

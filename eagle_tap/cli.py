@@ -5,24 +5,24 @@ module (listed in `COMMAND_MODULES`). Those modules import nothing heavy at modu
 `eagle-tap --help` stays fast and works without torch, FastAPI or SGLang; the work is imported when a
 subcommand runs.
 
-What must hold: `main` is the one error boundary. An ordinary mistake (bad input or settings, a missing
+What must hold: `main` runs every command inside the one error boundary (`capture_format.command_line`,
+which the collector's own command line uses too). An ordinary mistake (bad input or settings, a missing
 file, a server that does not answer) ends the command with one line `eagle-tap COMMAND: error: ...` on
 stderr and exit status 2; code below it raises typed errors (ValueError and its subclasses, OSError,
-RequestFailed) and never prints them itself. A traceback only with `--debug` (or EAGLE_TAP_DEBUG=1).
+RequestFailed, ServerStartError) and never prints them itself. A traceback only with `--debug` (or
+EAGLE_TAP_DEBUG=1).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
-import os
-import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
+from capture_format import command_line
+from capture_format.command_line import interrupt_on_signals
 from eagle_tap import __version__
 
 # Modules with an `add_commands(subparsers)` function, each adding the subcommands of one part.
@@ -35,31 +35,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "eagle_tap.served.cli",
     "eagle_tap.loop.cli",
 )
-
-
-def ignore_further_signals() -> None:
-    """Ignore Ctrl-C and TERM from now on (e.g. `timeout` forwarding one more): they must not cut a stop short."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    ignore_further_signals()
-    raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def interrupt_on_signals() -> Iterator[None]:
-    """Inside: Ctrl-C and TERM raise KeyboardInterrupt once (so `kill` unwinds and stops child processes like
-    Ctrl-C) and are ignored after that, until the stops are done. The previous handlers come back on exit."""
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -100,11 +75,6 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-EXIT_USAGE = 2
-"""Exit status of an ordinary mistake, as argparse uses for a bad command line."""
-EXIT_INTERRUPTED = 130
-
-
 def _add_debug_flag(parser: argparse.ArgumentParser, *, top_level: bool) -> None:
     """--debug anywhere on the line; a subcommand's copy must not reset what the top level set."""
     default = False if top_level else argparse.SUPPRESS
@@ -116,33 +86,15 @@ def _add_debug_flag(parser: argparse.ArgumentParser, *, top_level: bool) -> None
                 _add_debug_flag(sub, top_level=False)
 
 
-def ordinary_errors() -> tuple[type[BaseException], ...]:
-    """The exceptions that mean a mistake in input, settings or environment, not a bug in eagle-tap.
-
-    ValueError covers the project's typed errors (CaptureFormatError, SpanError, ...) and pydantic's
-    ValidationError; HTTP errors only count where httpx and the client were imported by the command."""
-    errors: list[type[BaseException]] = [ValueError, OSError]
-    if "httpx" in sys.modules:
-        errors.append(sys.modules["httpx"].HTTPError)
+def project_errors() -> tuple[type[BaseException], ...]:
+    """Besides ValueError and OSError (capture_format.command_line), the errors that mean an ordinary mistake:
+    a request the client or the SGLang harness could not make, where the command imported them."""
+    errors: list[type[BaseException]] = []
     if "client.endpoints" in sys.modules:
         errors.append(sys.modules["client.endpoints"].RequestFailed)
     if "eagle_tap.sglang_server" in sys.modules:
         errors.append(sys.modules["eagle_tap.sglang_server"].ServerStartError)
     return tuple(errors)
-
-
-def error_line(error: BaseException) -> str:
-    """One line that names what is wrong: pydantic's errors by field, OSError by file."""
-    if hasattr(error, "errors") and type(error).__name__ == "ValidationError":  # pydantic, without importing it
-        return "; ".join(f"{'.'.join(str(part) for part in item['loc']) or 'settings'}: "
-                         f"{item['msg'].removeprefix('Value error, ')}" for item in error.errors())
-    if isinstance(error, OSError) and error.strerror and error.filename is not None:
-        return f"{error.filename}: {error.strerror}"
-    return " ".join(str(error).split()) or type(error).__name__
-
-
-def _command_name(args: argparse.Namespace) -> str:
-    return " ".join(str(part) for part in (args.command, getattr(args, "shards_command", None)) if part)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,20 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """Runs the parsed command inside the error boundary (see the module docstring)."""
-    debug = args.debug or os.environ.get("EAGLE_TAP_DEBUG", "") not in ("", "0")
-    try:
-        return args.run(args)
-    except KeyboardInterrupt:
-        if debug:
-            raise
-        print(f"eagle-tap {_command_name(args)}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as error:
-        if debug or not isinstance(error, ordinary_errors()):
-            raise
-        print(f"eagle-tap {_command_name(args)}: error: {error_line(error)}", file=sys.stderr)
-        return EXIT_USAGE
+    """Runs the parsed command inside the one error boundary (capture_format.command_line)."""
+    return command_line.run_command(args, project_errors)
 
 
 def main(argv: list[str] | None = None) -> int:

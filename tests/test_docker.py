@@ -346,9 +346,20 @@ def test_server_collector_and_client_share_one_token_variable() -> None:
     assert interpolated["server"]["environment"]["EAGLE_TAP_TOKEN"] == TEST_ENV["EAGLE_TAP_TOKEN"]
 
 
+COLLECTOR_ENTRYPOINT = ["python", "-m", "collector_service"]
+
+
+def test_the_collector_image_holds_only_the_format_and_the_collector() -> None:
+    """It runs no code of the other parts, so it copies none (the house's floors: tests/test_architecture.py)."""
+    copied = {Path(instruction.arguments.split()[0]).parts[0]
+              for instruction in dockerfile("collector") if instruction.keyword == "COPY"}
+    assert copied == {"pyproject.toml", "capture_format", "collector_service"}
+
+
 def collector_arguments(env: dict[str, str] | None = None) -> list[str]:
-    """The collector container's command: compose's `command`, else the image's CMD, after ENTRYPOINT eagle-tap."""
-    assert exec_form(only(dockerfile("collector"), "ENTRYPOINT")) == ["eagle-tap"]
+    """The collector container's command: compose's `command`, else the image's CMD, after its ENTRYPOINT (the
+    collector's own command line, whose subcommands are eagle-tap's `collect` and `shards`)."""
+    assert exec_form(only(dockerfile("collector"), "ENTRYPOINT")) == COLLECTOR_ENTRYPOINT
     service = compose(env)["services"]["collector"]
     return command_words(service) if "command" in service else exec_form(only(dockerfile("collector"), "CMD"))
 
@@ -507,6 +518,8 @@ def test_copy_sources_exist_pass_the_ignore_file_and_cover_the_package(image: st
     assert not leaked, f"{image}.Dockerfile.dockerignore sends {leaked}"
     patterns = pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
     packages = {name for name in (pattern.rstrip("*") for pattern in patterns) if (REPO_ROOT / name).is_dir()}
+    if image == "collector":  # it runs only the collector, which imports only the format (test_architecture.py)
+        packages = {"capture_format", "collector_service"}
     needed = {"pyproject.toml", pyproject()["project"]["readme"]} | packages
     assert needed <= set(sources), f"{image}.Dockerfile does not copy {sorted(needed - set(sources))}"
 
@@ -543,7 +556,7 @@ def test_collector_image_runs_unprivileged_on_the_data_volume() -> None:
 def test_eagle_tap_commands_in_dockerfiles_parse(image: str) -> None:
     instructions = dockerfile(image)
     entrypoint = exec_form(only(instructions, "ENTRYPOINT"))
-    if entrypoint == ["eagle-tap"]:
+    if entrypoint in (["eagle-tap"], COLLECTOR_ENTRYPOINT):
         parse_eagle_tap(exec_form(only(instructions, "CMD")), f"{image}.Dockerfile CMD")
     for instruction in instructions:
         if instruction.keyword == "RUN":

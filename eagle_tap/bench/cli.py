@@ -25,7 +25,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     from eagle_tap.bench import codecs
     from eagle_tap.bench.report import render_markdown, run_benchmarks, write_report
-    from eagle_tap.cli import interrupt_on_signals
+    from capture_format.command_line import interrupt_on_signals
 
     configs = {}
     if args.codec_states or args.codec_demo_run:

@@ -10,7 +10,7 @@ __all__ = ["add_commands"]
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from eagle_tap.cli import interrupt_on_signals
+    from capture_format.command_line import interrupt_on_signals
     from eagle_tap.demo.run import Config, descendants, run_demo, still_running
 
     def given(*names: str) -> dict[str, object]:
