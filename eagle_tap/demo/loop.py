@@ -157,10 +157,8 @@ def capture(config: LoopDemoConfig, out: Path, parts: dict[str, Path], token: st
 
 def train_first_draft(config: LoopDemoConfig, out: Path) -> dict[str, Any]:
     """Stage 2: mapping over all conversations, draft config, training on the old domain, export."""
-    from trainer.config_io import config_from_dict
     from trainer.draft_config import build_draft_config
     from trainer.export import export
-    from trainer.train import Config as TrainConfig
     from trainer.train import train
     from trainer.vocab import build_vocab_mapping
 
@@ -171,27 +169,30 @@ def train_first_draft(config: LoopDemoConfig, out: Path) -> dict[str, Any]:
                                      if_fewer="fill")
     draft_config = build_draft_config(TINY_MODEL_DIR, draft_vocab_size=int(mapping.d2t.size))
     (out / "draft-config.json").write_text(json.dumps(draft_config, indent=2) + "\n", encoding="utf-8")
-    settings = _train_settings(config, out, out / "runs" / "first-draft", steps=config.train_steps,
-                               learning_rate=config.learning_rate)
-    summary = train(config_from_dict(TrainConfig, settings))
+    summary = train(_train_config(config, out, out / "runs" / "first-draft", steps=config.train_steps,
+                                  learning_rate=config.learning_rate))
     folder = export(out / "runs" / "first-draft", out / "drafts" / "first")
     return {"steps": summary["step"], "export": str(folder), "draft_vocab_size": int(mapping.d2t.size),
             "vocab_coverage_all_conversations": mapping.meta["coverage"]}
 
 
-def _train_settings(config: LoopDemoConfig, out: Path, run_dir: Path, *, steps: int, learning_rate: float,
-                    record_ids: Path | None = None) -> dict[str, Any]:
+def _train_config(config: LoopDemoConfig, out: Path, run_dir: Path, *, steps: int, learning_rate: float,
+                  record_ids: Path | None = None):
+    """The training settings of the demo's first draft and of its from-scratch comparison."""
+    from trainer.config import Config as TrainConfig
+    from trainer.config import DataConfig, ObjectiveConfig, OptimizerConfig
+
     from eagle_tap.tiny_model import TINY_MODEL_DIR
 
-    data = {"shards": str(out / "captures" / "traffic"), "batch_size": config.batch_size,
-            "max_length": config.max_length, "seed": config.seed}
-    if record_ids is not None:
-        data["record_ids"] = str(record_ids)
-    return {"target": str(TINY_MODEL_DIR), "draft_config": str(out / "draft-config.json"), "vocab": str(out / "vocab"),
-            "out_dir": str(run_dir), "seed": config.seed, "data": data, "objective": {"ttt_steps": config.ttt_steps},
-            "optimizer": {"learning_rate": learning_rate, "warmup_steps": max(1, steps // 10)},
-            "num_steps": steps, "log_every": max(1, steps // 10), "checkpoint_every": 0,
-            "progress_bar": sys.stderr.isatty()}
+    return TrainConfig(
+        target=str(TINY_MODEL_DIR), draft_config=str(out / "draft-config.json"), vocab=str(out / "vocab"),
+        out_dir=str(run_dir), seed=config.seed,
+        data=DataConfig(shards=str(out / "captures" / "traffic"), batch_size=config.batch_size,
+                        max_length=config.max_length, seed=config.seed,
+                        record_ids=None if record_ids is None else str(record_ids)),
+        objective=ObjectiveConfig(ttt_steps=config.ttt_steps),
+        optimizer=OptimizerConfig(learning_rate=learning_rate, warmup_steps=max(1, steps // 10)),
+        num_steps=steps, log_every=max(1, steps // 10), checkpoint_every=0, progress_bar=sys.stderr.isatty())
 
 
 def served(urls: list[str], prompts_by_domain: dict[str, list], max_new_tokens: int) -> dict[str, Any]:
@@ -204,7 +205,8 @@ def served(urls: list[str], prompts_by_domain: dict[str, list], max_new_tokens: 
 
 def run_loop_demo(config: LoopDemoConfig) -> dict[str, Any]:
     from eagle_tap.demo.traffic import ServingTraffic
-    from eagle_tap.loop.run import Loop, LoopConfig
+    from eagle_tap.loop.config import LoopConfig
+    from eagle_tap.loop.run import Loop
     from eagle_tap.loop.status import collect, plot_status
     from eagle_tap.served.draft import SpeculativeConfig
     from eagle_tap.served.evaluate import prompts_from_shards
@@ -330,12 +332,10 @@ def _round_summary(loop, item: dict[str, Any]) -> dict[str, Any]:
 def from_scratch(config: LoopDemoConfig, out: Path, loop) -> dict[str, Any]:
     """A draft trained from scratch on every record the loop's versions were trained on, for as many steps as
     they were trained in all; its simulated served walk beside the promoted version's on both held-out sets."""
-    from trainer.config_io import config_from_dict
     from trainer.export import export
-    from trainer.train import Config as TrainConfig
     from trainer.train import train
 
-    from eagle_tap.loop.rounds import evaluate_draft, write_ids
+    from eagle_tap.loop.evaluation import evaluate_draft, write_ids
 
     record_ids: set[str] = set()
     steps = config.train_steps
@@ -346,8 +346,7 @@ def from_scratch(config: LoopDemoConfig, out: Path, loop) -> dict[str, Any]:
         steps += (info.get("training") or {}).get("steps", 0)
     ids_file = write_ids(out / "runs" / "from-scratch-records.txt", sorted(record_ids))
     run_dir = out / "runs" / "from-scratch"
-    train(config_from_dict(TrainConfig, _train_settings(config, out, run_dir, steps=steps,
-                                                        learning_rate=config.learning_rate, record_ids=ids_file)))
+    train(_train_config(config, out, run_dir, steps=steps, learning_rate=config.learning_rate, record_ids=ids_file))
     folder = export(run_dir, out / "drafts" / "from-scratch")
     promoted = loop.registry.local_copy(loop.registry.state()["promoted"])
     result: dict[str, Any] = {"records": len(record_ids), "steps": steps}

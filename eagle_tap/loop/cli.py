@@ -11,7 +11,7 @@ __all__ = ["add_commands"]
 def _config(args: argparse.Namespace):
     from trainer.config_io import load_config
 
-    from eagle_tap.loop.run import LoopConfig
+    from eagle_tap.loop.config import LoopConfig
 
     overrides = list(args.set)
     for name in ("registry", "shards", "target", "draft_config", "vocab", "work_dir", "regression_shards"):
@@ -37,7 +37,7 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from eagle_tap.cli import interrupt_on_signals
+    from capture_format.command_line import interrupt_on_signals
     from eagle_tap.loop.run import Loop
 
     config = _config(args)
@@ -88,7 +88,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "loop", help="train on captured traffic, gate, swap the draft into running replicas, watch it",
         description="The closed loop: rounds of warm-started training on new records, a gate on held-out new "
         "records and a regression set, in-place swaps into every replica through SGLang's weight-update API with "
-        "verification and rollback, and served acceptance over time. See the README's closed-loop section.")
+        "verification and rollback, and served acceptance over time. See docs/loop.md.")
     commands = loop.add_subparsers(dest="loop_command", required=True)
     init = commands.add_parser("init", help="start a registry with the draft the replicas serve now (v0001)")
     _common(init)

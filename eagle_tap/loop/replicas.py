@@ -1,7 +1,7 @@
 """Replicas of the closed loop: what one serves, putting a registry version into it, checking it, and the probe.
 
 A swap goes through `eagle_tap.served.swap.swap_draft` (SGLang's own weight-update session, selector draft,
-tensors as shared-memory handles: the loop runs on the replica's host; see the README for why this path and
+tensors as shared-memory handles: the loop runs on the replica's host; see docs/loop.md for why this path and
 not the plugin). Around it:
 - before any replica is touched: the version's files match the sha256 its version.json recorded, and the
   draft can take the served one's place (same architecture, sizes, aux layer ids, vocab mapping, tensor

@@ -22,22 +22,14 @@ its eval); a candidate is stored as a version before any decision about it.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
 import random
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from eagle_tap.loop.run import Loop
-
-
-def ids_digest(record_ids: list[str]) -> str:
-    """sha256 over the sorted record ids (a round's training set, named in one string)."""
-    return hashlib.sha256("\n".join(sorted(record_ids)).encode()).hexdigest()
+from eagle_tap.loop.evaluation import evaluate_draft, ids_digest, simulate_probe, write_ids
+from eagle_tap.loop.state import LoopState
 
 
 def shard_entries(shards: str) -> list[Any]:
@@ -48,7 +40,7 @@ def shard_entries(shards: str) -> list[Any]:
         return list(directory.iter_index())
 
 
-def new_records(loop: Loop, entries: list[Any] | None = None, rounds: list[dict[str, Any]] | None = None) -> list[Any]:
+def new_records(loop: LoopState, entries: list[Any] | None = None, rounds: list[dict[str, Any]] | None = None) -> list[Any]:
     """The entries (default: the shard set's) that no counted round used (rounds: counted_rounds(), if at hand)."""
     used = loop.registry.used_record_ids(rounds)
     now = time.time()
@@ -59,7 +51,7 @@ def new_records(loop: Loop, entries: list[Any] | None = None, rounds: list[dict[
     return entries
 
 
-def due(loop: Loop, entries: list[Any]) -> str | None:
+def due(loop: LoopState, entries: list[Any]) -> str | None:
     """Why a round starts now, or None."""
     config = loop.config
     if len(entries) >= config.min_new_records:
@@ -71,7 +63,7 @@ def due(loop: Loop, entries: list[Any]) -> str | None:
     return None
 
 
-def coverage(loop: Loop, entries: list[Any]) -> dict[str, Any]:
+def coverage(loop: LoopState, entries: list[Any]) -> dict[str, Any]:
     """Share of the entries' loss tokens that the draft vocabulary holds."""
     import capture_format as cf
     import numpy as np
@@ -91,63 +83,29 @@ def coverage(loop: Loop, entries: list[Any]) -> dict[str, Any]:
     return {"loss_tokens": total, "covered": covered, "coverage": covered / total if total else 1.0}
 
 
-def write_ids(path: Path, record_ids: list[str]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(f"{record_id}\n" for record_id in record_ids), encoding="utf-8")
-    return path
-
-
-def evaluate_draft(loop: Loop, draft_dir: Path, shards: str, record_ids: list[str], *,
-                   served_max_new_tokens: int | None = None) -> dict[str, Any]:
-    """eval's figures for an exported draft on exactly these records, at the replicas' chain length."""
-    from trainer.evaluate import evaluate
-
-    ids_file = write_ids(Path(loop.config.work_dir) / "ids" / f"{ids_digest(record_ids)[:16]}.txt", record_ids)
-    # eval warns that an exported draft lists no training records; the round keeps held-out and training
-    # records apart itself (maybe_run_round), so the warning would only repeat on every evaluation.
-    eval_log = logging.getLogger("trainer.evaluate")
-    level = eval_log.level
-    eval_log.setLevel(logging.ERROR)
-    try:
-        result = evaluate(draft_dir, shards, record_ids=str(ids_file), target=loop.config.target,
-                          vocab=loop.config.vocab, max_length=loop.config.max_length,
-                          served_max_new_tokens=served_max_new_tokens)
-    finally:
-        eval_log.setLevel(level)
-    index = result["chain_lengths"].index(loop.config.num_steps)
-    draft = result["drafts"]["draft"]
-    return {"served_walk": draft["served_walk_acceptance_length"][index],
-            "acceptance_length": draft["acceptance_length"][index], "num_records": result["num_records"],
-            "step_accuracy": draft.get("step_accuracy")}
-
-
-def train_candidate(loop: Loop, round_dir: Path, init_from: Path, record_ids: list[str]) -> dict[str, Any]:
-    from trainer.config_io import config_from_dict
+def train_candidate(loop: LoopState, round_dir: Path, init_from: Path, record_ids: list[str]) -> dict[str, Any]:
+    from trainer.config import Config as TrainConfig
+    from trainer.config import DataConfig, ObjectiveConfig, OptimizerConfig
     from trainer.export import export
-    from trainer.train import Config as TrainConfig
     from trainer.train import train
 
     config = loop.config
     run_dir = round_dir / "train"
-    settings = {
-        "target": config.target, "draft_config": config.draft_config, "vocab": config.vocab, "out_dir": str(run_dir),
-        "seed": config.seed, "init_from": str(init_from),
-        "data": {"shards": config.shards, "record_ids": str(write_ids(round_dir / "train-records.txt", record_ids)),
-                 "batch_size": config.batch_size, "max_length": config.max_length, "seed": config.seed},
-        "objective": {"ttt_steps": config.ttt_steps},
-        "optimizer": {"learning_rate": config.learning_rate, "warmup_steps": config.warmup_steps},
-        "num_steps": config.train_steps, "log_every": max(1, config.train_steps // 10), "checkpoint_every": 0,
-        "progress_bar": sys.stderr.isatty(), "num_threads": config.train_num_threads,
-    }
-    summary = train(config_from_dict(TrainConfig, settings))
+    summary = train(TrainConfig(
+        target=config.target, draft_config=config.draft_config, vocab=config.vocab, out_dir=str(run_dir),
+        seed=config.seed, init_from=str(init_from),
+        data=DataConfig(shards=config.shards, record_ids=str(write_ids(round_dir / "train-records.txt", record_ids)),
+                        batch_size=config.batch_size, max_length=config.max_length, seed=config.seed),
+        objective=ObjectiveConfig(ttt_steps=config.ttt_steps),
+        optimizer=OptimizerConfig(learning_rate=config.learning_rate, warmup_steps=config.warmup_steps),
+        num_steps=config.train_steps, log_every=max(1, config.train_steps // 10), checkpoint_every=0,
+        progress_bar=sys.stderr.isatty(), num_threads=config.train_num_threads))
     folder = export(run_dir, round_dir / "export")
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
-    logged = [line for line in lines if line["kind"] == "train"]
     return {"run_dir": str(run_dir), "export": str(folder), "steps": summary["step"],
-            "first_loss": logged[0]["loss"], "last_loss": logged[-1]["loss"]}
+            "first_loss": summary["first_loss"], "last_loss": summary["last_loss"]}
 
 
-def gate(loop: Loop, new: dict[str, dict[str, Any]], regression: dict[str, dict[str, Any]] | None) -> tuple[bool, str]:
+def gate(loop: LoopState, new: dict[str, dict[str, Any]], regression: dict[str, dict[str, Any]] | None) -> tuple[bool, str]:
     config = loop.config
     gain = new["candidate"]["served_walk"] - new["serving"]["served_walk"]
     if gain < config.gate_margin:
@@ -166,7 +124,7 @@ def gate(loop: Loop, new: dict[str, dict[str, Any]], regression: dict[str, dict[
     return True, why
 
 
-def maybe_run_round(loop: Loop) -> dict[str, Any] | None:
+def maybe_run_round(loop: LoopState) -> dict[str, Any] | None:
     """Runs a round when one is due (module docstring); None when not."""
     config = loop.config
     registry = loop.registry
@@ -231,7 +189,7 @@ def maybe_run_round(loop: Loop) -> dict[str, Any] | None:
             "training_records_sha256": ids_digest(new_ids + replay_ids), "heldout_records_sha256": ids_digest(heldout_ids),
             "first_loss": info["training"]["first_loss"], "last_loss": info["training"]["last_loss"]}
     version = registry.add_version(candidate_dir, parent=serving, made=made, evaluation=evaluation)
-    registry.set_version_info(version.name, probe=loop.simulate_probe(candidate_dir))
+    registry.set_version_info(version.name, probe=simulate_probe(loop, candidate_dir))
     info.update(version=version.name, evaluation=evaluation, decision="promote" if passed else "reject",
                 why_decided=why)
     if not passed:

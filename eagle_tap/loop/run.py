@@ -27,86 +27,22 @@ stays on a version the registry does not record.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from eagle_tap.loop import evaluation, rounds, watch
 from eagle_tap.loop import replicas as rep
+from eagle_tap.loop.config import LoopConfig
 from eagle_tap.loop.registry import Registry, RegistryError
+from eagle_tap.loop.state import LoopState
 from eagle_tap.served.swap import swap_draft
 
+__all__ = ["Loop", "LoopConfig", "recorded_checksum"]
+
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class LoopConfig:
-    """Every setting of one loop (a TOML/JSON file plus dotted overrides, as `eagle-tap train` reads its own)."""
-
-    registry: str
-    """Folder or s3:// prefix of the draft registry."""
-    shards: str
-    """The shard set the collectors write (a folder or an s3:// prefix): where new records come from."""
-    replicas: list[str] = dataclasses.field(default_factory=list)
-    """Base URLs of the SGLang replicas serving the draft (on this host: see the README's swap section)."""
-    target: str
-    """Hugging Face folder of the target the replicas serve."""
-    draft_config: str
-    """The draft config the first version was trained with (`eagle-tap draft-config`)."""
-    vocab: str
-    """The vocab mapping every version shares (`eagle-tap vocab`); a new mapping needs a restart."""
-    work_dir: str
-    """Local folder for each round's training run, export and evaluations."""
-    regression_shards: str | None = None
-    """A fixed shard set captured greedily: every candidate must not lose on it beyond regression_tolerance;
-    its first probe_records records are the probe set."""
-    num_steps: int = 3
-    """Draft tokens per verify step the replicas serve with (the simulated chain compared with them)."""
-    min_new_records: int = 64
-    """A round starts once this many records arrived that no round used ..."""
-    max_age_s: float | None = None
-    """... or once the oldest of them waited this long (unset: count only), given more than min_heldout_records."""
-    heldout_fraction: float = 0.25
-    """The newest share of the new records is held out to judge the candidate, never trained on."""
-    min_heldout_records: int = 4
-    """Held out at least this many records, whatever the share."""
-    replay_ratio: float = 1.0
-    """Older records (from earlier rounds) per new record in the training mix."""
-    train_steps: int = 200
-    """Optimizer steps of each round's warm-started training."""
-    batch_size: int = 8
-    """Records per training batch (and per evaluation batch)."""
-    max_length: int = 512
-    """Positions per window in training and evaluation (a longer record is read as consecutive windows)."""
-    learning_rate: float = 1e-3
-    """Peak learning rate of a round (a warm start wants less than a first training)."""
-    warmup_steps: int = 10
-    """Linear warmup steps of a round."""
-    ttt_steps: int = 7
-    """Test-time-training unroll length while training."""
-    gate_margin: float = 0.05
-    """The candidate's served walk on the held-out new records must beat the promoted version's by this
-    (tokens per verify step) ..."""
-    regression_tolerance: float = 0.05
-    """... and may fall below it on the regression set by at most this."""
-    min_coverage: float = 0.8
-    """Share of the new records' loss tokens the draft vocabulary must cover; below it the loop reports that
-    a new mapping (a retrain and a restart) is needed, and trains no candidate."""
-    probe_records: int = 6
-    """Prompts of the probe after each swap: the first records of regression_shards (0: checksums only)."""
-    probe_max_new_tokens: int = 48
-    """Tokens generated per probe prompt (the served walk is simulated over as many)."""
-    probe_tolerance: float = 0.2
-    """After a swap the probe's served acceptance must reach (1 - this) x the version's simulated served walk."""
-    train_num_threads: int | None = None
-    """torch CPU threads of a round's training (None: torch's default); on a CPU shared with serving replicas, 1
-    keeps training from fighting them for cores."""
-    poll_s: float = 10.0
-    """Seconds between ticks of `eagle-tap loop run`."""
-    seed: int = 0
-    """Seeds the replay draw, the data order and the draft's initialisation."""
 
 
 def recorded_checksum(state: dict[str, Any], version: str, weights_key: str) -> str | None:
@@ -114,16 +50,12 @@ def recorded_checksum(state: dict[str, Any], version: str, weights_key: str) -> 
     return (state.get("checksums", {}).get(version) or {}).get(weights_key)
 
 
-class Loop:
-    """One loop on one registry (holds its lock while open)."""
+class Loop(LoopState):
+    """One loop on one registry (holds its lock while open): its state (rounds and watch read and change it) and
+    what it does to replicas."""
 
     def __init__(self, config: LoopConfig, *, log_line=print) -> None:
-        self.config = config
-        self.registry = Registry(config.registry)
-        self.say = log_line
-        self.first_seen: dict[str, float] = {}
-        """record id -> when this loop first saw it (the age trigger)."""
-        self.watched: set[str] = set()
+        super().__init__(config=config, registry=Registry(config.registry), say=log_line)
 
     def __enter__(self) -> Loop:
         self.registry.lock()
@@ -179,7 +111,6 @@ class Loop:
         """One pass: replicas, round, watch (module docstring). Returns what it did."""
         self.registry.renew()
         report: dict[str, Any] = {"replicas": self.bring_up_to_date()}
-        from eagle_tap.loop import rounds, watch
 
         pending = self.pending_promotion()
         if pending:  # a promotion that found no replica answering: try again before any new round
@@ -366,24 +297,7 @@ class Loop:
 
     # ---------------------------------------------------------------------------------------------- probe
     def probe_prompts(self):
-        if not self.config.regression_shards or self.config.probe_records <= 0:
-            return []
-        if getattr(self, "_probe_prompts", None) is None:
-            from eagle_tap.served.evaluate import prompts_from_shards
-
-            self._probe_prompts, _ = prompts_from_shards(Path(self.config.regression_shards),
-                                                         max_prompts=self.config.probe_records)
-        return self._probe_prompts
+        return evaluation.probe_prompts(self)
 
     def simulate_probe(self, draft_dir: Path) -> dict[str, Any] | None:
-        """The draft's simulated served walk on the probe records (what a probe after a swap is held to)."""
-        prompts = self.probe_prompts()
-        if not prompts:
-            return None
-        from eagle_tap.loop.rounds import evaluate_draft
-
-        ids = [prompt.key for prompt in prompts]
-        result = evaluate_draft(self, draft_dir, self.config.regression_shards, ids,
-                                served_max_new_tokens=self.config.probe_max_new_tokens)
-        return {"served_walk": result["served_walk"], "num_steps": self.config.num_steps,
-                "max_new_tokens": self.config.probe_max_new_tokens, "record_ids": ids}
+        return evaluation.simulate_probe(self, draft_dir)

@@ -15,10 +15,10 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from eagle_tap.loop.run import Loop
+from eagle_tap.loop.rounds import shard_entries
+from eagle_tap.loop.state import LoopState
 
 
 def record_metadata(shards: str, entries: list[Any]) -> list[dict[str, Any]]:
@@ -41,10 +41,9 @@ def record_metadata(shards: str, entries: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def record_window(loop: Loop) -> dict[str, Any] | None:
+def record_window(loop: LoopState) -> dict[str, Any] | None:
     """Pools the records no window counted yet into one window event (None when none arrived)."""
     from capture_format.served_draft import ServedDraft, pool_served_drafts
-    from eagle_tap.loop.rounds import shard_entries
 
     if not loop.watched:  # a restarted loop: windows already written cover what they counted
         for event in loop.registry.events():
