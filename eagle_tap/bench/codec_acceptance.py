@@ -46,24 +46,21 @@ class AcceptanceConfig:
 
 
 def _train_one(work: Path, shards: Path, seed: int, config: AcceptanceConfig, name: str) -> Path:
-    from trainer.config_io import config_from_dict
-    from trainer.train import Config as TrainConfig
+    from trainer.config import Config as TrainConfig
+    from trainer.config import DataConfig, ObjectiveConfig, OptimizerConfig
     from trainer.train import train
 
     from eagle_tap.tiny_model import TINY_MODEL_DIR
 
     run_dir = work / "runs" / f"{name}-seed{seed}"
-    settings = {
-        "target": str(TINY_MODEL_DIR), "draft_config": str(work / "draft-config.json"), "vocab": str(work / "vocab"),
-        "out_dir": str(run_dir), "seed": seed, "num_threads": config.num_threads,
-        "data": {"shards": str(shards), "batch_size": 8, "max_length": 512, "seed": seed},
-        "objective": {"ttt_steps": config.ttt_steps},
-        "optimizer": {"learning_rate": 3e-3, "warmup_steps": max(1, config.train_steps // 10)},
-        "num_steps": config.train_steps, "log_every": max(1, config.train_steps // 5), "checkpoint_every": 0,
-        "eval_every": 0,
-        "progress_bar": False,
-    }
-    train(config_from_dict(TrainConfig, settings))
+    train(TrainConfig(
+        target=str(TINY_MODEL_DIR), draft_config=str(work / "draft-config.json"), vocab=str(work / "vocab"),
+        out_dir=str(run_dir), seed=seed, num_threads=config.num_threads,
+        data=DataConfig(shards=str(shards), batch_size=8, max_length=512, seed=seed),
+        objective=ObjectiveConfig(ttt_steps=config.ttt_steps),
+        optimizer=OptimizerConfig(learning_rate=3e-3, warmup_steps=max(1, config.train_steps // 10)),
+        num_steps=config.train_steps, log_every=max(1, config.train_steps // 5), checkpoint_every=0, eval_every=0,
+        progress_bar=False))
     return run_dir
 
 

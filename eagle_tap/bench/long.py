@@ -242,16 +242,18 @@ def train_one(length: int, model: Path, shards: Path, inputs: dict[str, Path], c
     run_dir = work / f"train-{length}"
     run_dir.mkdir()
     (run_dir / "record_ids.txt").write_text(f"long-{length}\n")
-    settings = {
-        "target": str(model), "draft_config": str(inputs["draft_config"]), "vocab": str(inputs["vocab"]),
-        "out_dir": str(run_dir / "out"),
-        "data": {"shards": str(shards), "batch_size": 1, "max_length": config.train_max_length,
-                 "record_ids": str(run_dir / "record_ids.txt")},
-        "objective": {"ttt_steps": config.ttt_steps}, "optimizer": {"warmup_steps": 1},
-        "num_steps": config.train_steps, "log_every": 1, "checkpoint_every": 0, "progress_bar": False,
-        "device": "cpu",
-    }
-    (run_dir / "config.json").write_text(json.dumps(settings, indent=2))
+    from trainer.config import Config as TrainConfig
+    from trainer.config import DataConfig, ObjectiveConfig, OptimizerConfig
+    from trainer.config_io import config_to_dict
+
+    settings = TrainConfig(
+        target=str(model), draft_config=str(inputs["draft_config"]), vocab=str(inputs["vocab"]),
+        out_dir=str(run_dir / "out"),
+        data=DataConfig(shards=str(shards), batch_size=1, max_length=config.train_max_length,
+                        record_ids=str(run_dir / "record_ids.txt")),
+        objective=ObjectiveConfig(ttt_steps=config.ttt_steps), optimizer=OptimizerConfig(warmup_steps=1),
+        num_steps=config.train_steps, log_every=1, checkpoint_every=0, progress_bar=False, device="cpu")
+    (run_dir / "config.json").write_text(json.dumps(config_to_dict(settings), indent=2))
     started = time.perf_counter()
     with open(run_dir / "train.log", "wb") as log:
         process = subprocess.Popen([sys.executable, "-m", "eagle_tap.cli", "train", "--config",
@@ -268,8 +270,9 @@ def train_one(length: int, model: Path, shards: Path, inputs: dict[str, Path], c
     if process.returncode != 0:
         tail = (run_dir / "train.log").read_text(errors="replace").splitlines()[-20:]
         raise RuntimeError(f"training on long-{length} exited with {process.returncode}:\n" + "\n".join(tail))
-    lines = [json.loads(line) for line in (run_dir / "out" / "metrics.jsonl").read_text().splitlines()]
-    steps = [line for line in lines if line.get("kind") == "train"]
+    from trainer.metrics import read_metrics
+
+    steps = read_metrics(run_dir / "out" / "metrics.jsonl", "train")
     return {"train_peak_mb": usage.ru_maxrss * 1024 / MB, "train_s": wall_s, "train_steps": len(steps),
             "train_loss_tokens": sum(line.get("num_loss_tokens", 0) for line in steps)}
 

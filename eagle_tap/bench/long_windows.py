@@ -108,24 +108,21 @@ def capture(chats: list[list[dict[str, str]]], config: Config, id_prefix: str) -
 
 
 def train_run(work: Path, name: str, config: Config, *, max_length: int, batch_size: int) -> dict[str, Any]:
-    from trainer.config_io import config_from_dict
+    from trainer.config import Config as TrainConfig
+    from trainer.config import DataConfig, ObjectiveConfig, OptimizerConfig
     from trainer.metrics import read_metrics
-    from trainer.train import Config as TrainConfig
     from trainer.train import train
 
     from eagle_tap.tiny_model import TINY_MODEL_DIR
 
-    settings = {
-        "target": str(TINY_MODEL_DIR), "draft_config": str(work / "draft-config.json"), "vocab": str(work / "vocab"),
-        "out_dir": str(work / "runs" / name), "seed": config.seed, "num_threads": config.num_threads,
-        "data": {"shards": str(work / "train"), "batch_size": batch_size, "max_length": max_length,
-                 "seed": config.seed},
-        "objective": {"ttt_steps": config.ttt_steps},
-        "optimizer": {"learning_rate": config.learning_rate, "warmup_steps": max(1, config.num_steps // 10)},
-        "num_steps": config.num_steps, "log_every": 1, "checkpoint_every": 0, "progress_bar": False,
-    }
     started = time.perf_counter()
-    train(config_from_dict(TrainConfig, settings))
+    train(TrainConfig(
+        target=str(TINY_MODEL_DIR), draft_config=str(work / "draft-config.json"), vocab=str(work / "vocab"),
+        out_dir=str(work / "runs" / name), seed=config.seed, num_threads=config.num_threads,
+        data=DataConfig(shards=str(work / "train"), batch_size=batch_size, max_length=max_length, seed=config.seed),
+        objective=ObjectiveConfig(ttt_steps=config.ttt_steps),
+        optimizer=OptimizerConfig(learning_rate=config.learning_rate, warmup_steps=max(1, config.num_steps // 10)),
+        num_steps=config.num_steps, log_every=1, checkpoint_every=0, progress_bar=False))
     lines = read_metrics(work / "runs" / name / "metrics.jsonl", "train")
     last = lines[-10:]  # the mean of the last ten steps: one step's loss is noisy
     return {"max_length": max_length, "batch_size": batch_size, "train_s": round(time.perf_counter() - started, 1),

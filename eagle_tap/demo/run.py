@@ -301,7 +301,7 @@ def _fire(config: Config, server_url: str, collector_url: str, token: str, data_
         http=HttpConfig(max_connections=2 * config.fire_concurrency + 4))
     exit_code = run_fire(fire_config)
     if exit_code == 130:  # fire took the signal itself; from here on the stops must not be cut short
-        from eagle_tap.cli import ignore_further_signals
+        from capture_format.command_line import ignore_further_signals
 
         ignore_further_signals()
         raise KeyboardInterrupt
@@ -327,9 +327,9 @@ def _plugin_stats(spool_dir: Path) -> dict[str, Any]:
 
 def train_draft(config: Config, out: Path) -> dict[str, Any]:
     """Vocab mapping from the training captures, draft config, and a short training run."""
-    from trainer.config_io import config_from_dict
+    from trainer.config import Config as TrainConfig
+    from trainer.config import DataConfig, ObjectiveConfig, OptimizerConfig
     from trainer.draft_config import build_draft_config
-    from trainer.train import Config as TrainConfig
     from trainer.train import train
     from trainer.vocab import build_vocab_mapping, coverage_report
 
@@ -343,24 +343,21 @@ def train_draft(config: Config, out: Path) -> dict[str, Any]:
     draft_config_path = out / "draft-config.json"
     draft_config_path.write_text(json.dumps(draft_config, indent=2) + "\n", encoding="utf-8")
     run_dir = out / "runs" / "train"
-    settings = {
-        "target": str(TINY_MODEL_DIR), "draft_config": str(draft_config_path), "vocab": str(out / "vocab"),
-        "out_dir": str(run_dir), "seed": config.seed,
-        "data": {"shards": str(shards), "batch_size": config.batch_size, "max_length": config.max_length,
-                 "seed": config.seed},
-        "objective": {"ttt_steps": config.ttt_steps},
-        "optimizer": {"learning_rate": config.learning_rate, "warmup_steps": max(1, config.train_steps // 10)},
-        "num_steps": config.train_steps, "log_every": max(1, config.train_steps // 20), "checkpoint_every": 0,
-        "eval_shards": str(out / "captures" / "heldout"), "eval_every": 0,
-        "progress_bar": sys.stderr.isatty(),  # a bar in a terminal; no redrawn lines in a log file
-    }
-    summary = train(config_from_dict(TrainConfig, settings))
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
-    logged = [line for line in lines if line["kind"] == "train"]
+    summary = train(TrainConfig(
+        target=str(TINY_MODEL_DIR), draft_config=str(draft_config_path), vocab=str(out / "vocab"),
+        out_dir=str(run_dir), seed=config.seed,
+        data=DataConfig(shards=str(shards), batch_size=config.batch_size, max_length=config.max_length,
+                        seed=config.seed),
+        objective=ObjectiveConfig(ttt_steps=config.ttt_steps),
+        optimizer=OptimizerConfig(learning_rate=config.learning_rate, warmup_steps=max(1, config.train_steps // 10)),
+        num_steps=config.train_steps, log_every=max(1, config.train_steps // 20), checkpoint_every=0,
+        eval_shards=str(out / "captures" / "heldout"), eval_every=0,
+        progress_bar=sys.stderr.isatty()))  # a bar in a terminal; no redrawn lines in a log file
+    first, last = summary["first_logged"], summary["last_logged"]
     return {"run_dir": str(run_dir), "steps": summary["step"], "draft_vocab_size": int(mapping.d2t.size),
             "vocab_coverage": mapping.meta["coverage"], "num_loss_tokens_counted": int(counts.sum()),
-            "first_loss": logged[0]["loss"], "first_loss_step": logged[0]["step"], "last_loss": logged[-1]["loss"],
-            "last_step0_accuracy": logged[-1]["step_accuracy"][0],
+            "first_loss": first["loss"], "first_loss_step": first["step"], "last_loss": last["loss"],
+            "last_step0_accuracy": last["step_accuracy"][0],
             "heldout_step_accuracy": summary["eval"]["step_accuracy"],
             "plots": [str(run_dir / name) for name in ("loss.png", "accuracy.png")]}
 
