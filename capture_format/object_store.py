@@ -4,7 +4,7 @@ fsspec and s3fs load only when an `s3://` location is used (`pip install 'eagle-
 install keeps its three dependencies.
 
 Where the store is, who we are and the readers' cache come from the environment (ENVIRONMENT below,
-also in the README's settings table); credentials are read as every AWS client reads them.
+also in docs/settings.md); credentials are read as every AWS client reads them.
 
 What must hold for the cache:
 - a file in it is a whole frame as the store returned it (written to a temp name, then renamed), and a

@@ -93,7 +93,7 @@ class CollectorSettings(BaseSettings):
     upload_to: str | None = None
     """s3://bucket/prefix to upload sealed shards to; each is checked there, then removed here.
 
-    Endpoint and credentials: EAGLE_TAP_S3_ENDPOINT_URL and the AWS_* variables (the README's table)."""
+    Endpoint and credentials: EAGLE_TAP_S3_ENDPOINT_URL and the AWS_* variables (docs/settings.md)."""
     keep_local: bool = False
     """With upload_to: keep each shard in data_dir after its upload checked out."""
     collector_id: str | None = None

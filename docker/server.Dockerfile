@@ -3,7 +3,7 @@
 #
 # Build from the repository root (the build context must be the repository):
 #   docker build -f docker/server.Dockerfile -t eagle-tap-server .
-# The plugin is dormant until EAGLE_TAP_COLLECTOR_URL is set (see README.md, "Settings"), so
+# The plugin is dormant until EAGLE_TAP_COLLECTOR_URL is set (see docs/settings.md), so
 # this image also serves like the plain SGLang image. The entrypoint is SGLang's own launcher.
 #
 # The tag must carry the SGLang version the plugin supports (sglang_patch.SUPPORTED_SGLANG_VERSIONS,

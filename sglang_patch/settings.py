@@ -34,7 +34,7 @@ class CaptureSettings(BaseSettings):
     """Decoder layers whose input is captured, e.g. `3,31,59`; default `[3, L//2 + 1, L - 2]`."""
     codec: str | None = None
     """Codec of the aux and final states in each frame: raw, zstd:N, bf16-split, bf16-channel, or a lossy one
-    (int8-row, e4m3-row, int8-channel: see the README's codec table for what each costs); unset picks
+    (int8-row, e4m3-row, int8-channel: see docs/benchmarks.md for what each costs); unset picks
     bf16-split for bf16 serving, zstd:1 for fp16 and fp32."""
     spool_dir: Path = Field(default=Path("~/.local/state/eagle-tap/spool"), validate_default=True)
     """Where frames wait while the collector is unreachable; re-sent in order when it is back. Must be
@@ -54,7 +54,7 @@ class CaptureSettings(BaseSettings):
     """Fraction of tagged requests captured, chosen by a hash of the record id (deterministic)."""
     live_sample_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     """Fraction of untagged generate requests captured in one pass (prompt and answer), chosen by a hash of
-    the request id; 0 turns live capture off. Stores the token ids of users' requests: see the README."""
+    the request id; 0 turns live capture off. Stores the token ids of users' requests: see docs/capture.md."""
     prefix_block_tokens: int = Field(default=0, ge=0, le=1 << 16)
     """Shared prefixes stored once: captured prompts are cut into content-addressed blocks of this many
     tokens (at least 16; 64 suits system prompts), stored once and referred to by every record that
