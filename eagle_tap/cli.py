@@ -38,7 +38,8 @@ COMMAND_MODULES: tuple[str, ...] = (
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from eagle_tap.served.draft import DraftMismatchError, SpeculativeConfig, check_draft_fits_target
+    from eagle_tap.served.draft import DraftMismatchError, SpeculativeConfig
+    from trainer.draft_fit import check_draft_fits
     from eagle_tap.sglang_server import ServerConfig, SGLangServer
     from eagle_tap.tiny_model import TINY_MODEL_DIR
 
@@ -47,7 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.draft:
         speculative = SpeculativeConfig(draft_dir=Path(args.draft), num_steps=args.num_steps)
         try:
-            check_draft_fits_target(speculative.draft_dir, model_path)
+            check_draft_fits(speculative.draft_dir, target_dir=model_path)
         except DraftMismatchError as error:
             raise DraftMismatchError(f"refusing draft {args.draft}: {error}") from None
     config = ServerConfig(

@@ -36,7 +36,8 @@ from pathlib import Path
 
 import psutil
 
-from eagle_tap.served.draft import SpeculativeConfig, check_draft_fits_target
+from eagle_tap.served.draft import SpeculativeConfig
+from trainer.draft_fit import check_draft_fits
 
 CPU_STANDINS_DIR = Path(__file__).resolve().parent / "cpu_standins"
 
@@ -213,7 +214,7 @@ class SGLangServer:
     def start(self) -> None:
         """Start the server and wait until it serves; a draft that does not fit the model is refused first."""
         if self.config.speculative is not None:
-            check_draft_fits_target(self.config.speculative.draft_dir, self.config.model_path)
+            check_draft_fits(self.config.speculative.draft_dir, target_dir=self.config.model_path)
         env = server_environment(self.config)
         if self.log_path is None:
             self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"eagle-tap-sglang-{self.port}.log"

@@ -19,7 +19,8 @@ import pytest
 
 import trainer_data
 from eagle_tap.cli import main
-from eagle_tap.served.draft import DraftMismatchError, SpeculativeConfig, check_draft_fits_target
+from eagle_tap.served.draft import DraftMismatchError, SpeculativeConfig
+from trainer.draft_fit import check_draft_fits
 from eagle_tap.served.evaluate import Config, evaluate_served, load_prompts, prompts_from_shards
 from eagle_tap.sglang_server import ServerConfig, SGLangServer
 from test_trainer_export import trained_run
@@ -153,7 +154,7 @@ def test_mismatched_drafts_are_refused_before_start_up(drafts, tiny_model_dir, t
     before = {process.pid for process in psutil.process_iter()}
     for name, (draft, target, phrase) in _mismatches(drafts["trained"], tiny_model_dir, tmp_path).items():
         with pytest.raises(DraftMismatchError, match=phrase.replace("[", r"\[").replace("]", r"\]")):
-            check_draft_fits_target(draft, target)
+            check_draft_fits(draft, target_dir=target)
         result = subprocess.run(
             [sys.executable, "-m", "eagle_tap.cli", "serve", "--model", str(target), "--draft", str(draft)],
             capture_output=True, text=True, timeout=120)
@@ -171,6 +172,6 @@ def test_mismatched_drafts_are_refused_before_start_up(drafts, tiny_model_dir, t
 
 
 def test_matching_draft_passes_the_check(drafts, tiny_model_dir):
-    checked = check_draft_fits_target(drafts["trained"], tiny_model_dir)
+    checked = check_draft_fits(drafts["trained"], target_dir=tiny_model_dir)
     assert checked["capture_layers"] == [3, 5, 6] and checked["aux_layer_ids"] == [2, 4, 5]
     assert checked["tokenizer_fingerprint"].startswith("tok:")

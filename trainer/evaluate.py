@@ -222,7 +222,8 @@ def load_run(checkpoint: str | Path, *, target: str | Path | None = None,
     exported draft: target and vocab are required, the draft's config.json is the draft config, seed 0 (train's
     default) makes the untrained baseline. Refuses a draft made for another target or vocab mapping."""
     from capture_format.fingerprint import model_fingerprint
-    from trainer.run_folder import check_draft_fits, read_draft_source, run_inputs
+    from trainer.draft_fit import check_draft_fits
+    from trainer.run_folder import read_draft_source, run_inputs
     from trainer.vocab import load_vocab_mapping
 
     source = read_draft_source(checkpoint)

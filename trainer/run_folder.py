@@ -11,8 +11,8 @@ Trained weights (`DraftSource`) come from either kind of folder, both holding co
 config with its `eagle_tap` section) and model.safetensors (SGLang's names, d2t and t2d included):
 - a run's out_dir or its final/ folder: float32 weights, the run's config.json next to final/;
 - an exported draft (`eagle-tap export`): weights in the config's torch_dtype, nothing about the run.
-`check_draft_fits` refuses weights made for another draft shape, capture layers, target or vocab
-mapping, naming the difference, before a model is built.
+`trainer.draft_fit.check_draft_fits` refuses weights made for another draft shape, capture layers, target or
+vocab mapping, naming the difference, before a model is built.
 """
 
 from __future__ import annotations
@@ -25,15 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from capture_format import IndexEntry, is_remote, open_shard_directory
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TRAINING_RECORDS_NAME", "DraftSource", "check_draft_fits", "check_held_out", "keep_inputs",
-           "read_draft_source", "resolve_checkpoint", "run_inputs", "sha256_file"]
+__all__ = ["TRAINING_RECORDS_NAME", "DraftSource", "check_held_out", "keep_inputs", "read_draft_source",
+           "resolve_checkpoint", "run_inputs", "sha256_file"]
 
 DRAFT_CONFIG_NAME = "draft_config.json"
 VOCAB_DIR_NAME = "vocab"
@@ -109,67 +107,6 @@ def read_draft_source(path: str | Path) -> DraftSource:
     except (OSError, ValueError) as error:
         raise ValueError(f"cannot read the draft config {folder / 'config.json'}: {error}") from None
     return DraftSource(path=Path(path), folder=folder, draft_config=draft_config, run_config_path=run_config_path)
-
-
-SHAPE_KEYS = ("architectures", "hidden_size", "target_hidden_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "draft_vocab_size")
-"""Draft config keys two drafts must share for one's weights to start the other."""
-
-
-def _shape_value(config: dict[str, Any], key: str) -> Any:
-    if key == "target_hidden_size":  # a draft config without it reads states as wide as its own hidden size
-        return config.get(key, config.get("hidden_size"))
-    return config.get(key)
-
-
-def _aux_layer_ids(config: dict[str, Any]) -> list[int] | None:
-    return (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-
-
-def check_draft_fits(source: DraftSource, *, draft_config: dict[str, Any] | None = None,
-                     d2t: np.ndarray | None = None, t2d: np.ndarray | None = None,
-                     target_fingerprint: str | None = None, used_as: str = "this run's draft") -> None:
-    """Raise ValueError naming the first difference between the source's draft and what it is used as.
-
-    draft_config: the draft config it must fit (SHAPE_KEYS; capture layers and SGLang's aux layer ids where
-    both record them); d2t, t2d: the vocab mapping its own d2t/t2d must equal; target_fingerprint: the
-    target it must have been made for, where the source records one. Reads only the two mapping tensors."""
-    source_config, where = source.draft_config, f"{source.path} ({source.kind} draft)"
-    if draft_config is not None:
-        for key in SHAPE_KEYS:
-            mine, theirs = _shape_value(draft_config, key), _shape_value(source_config, key)
-            if mine != theirs:
-                raise ValueError(f"{where} has {key} {theirs!r}; {used_as} has {mine!r}")
-        source_tap, tap = source_config.get("eagle_tap") or {}, draft_config.get("eagle_tap") or {}
-        if "capture_layers" in source_tap and source_tap["capture_layers"] != tap.get("capture_layers"):
-            raise ValueError(f"{where} reads capture layers {source_tap['capture_layers']}; {used_as} reads "
-                             f"{tap.get('capture_layers')}")
-        source_ids, ids = _aux_layer_ids(source_config), _aux_layer_ids(draft_config)
-        if source_ids is not None and ids is not None and source_ids != ids:
-            raise ValueError(f"{where} reads SGLang aux layer ids {source_ids}; {used_as} reads {ids}")
-        if "capture_layers" not in source_tap and source_ids is None:
-            raise ValueError(f"{where} records neither capture layers (eagle_tap) nor SGLang's aux layer ids "
-                             "(eagle_config): nothing says which target layers it was trained on")
-    made_for = (source_config.get("eagle_tap") or {}).get("target_model_fingerprint")
-    if target_fingerprint is not None and made_for is not None and made_for != target_fingerprint:
-        raise ValueError(f"{where} was made for target {made_for}; {used_as} is for target {target_fingerprint}")
-    if d2t is not None or t2d is not None:
-        from safetensors import safe_open
-
-        with safe_open(source.weights_path, "np") as weights:
-            names = set(weights.keys())
-            for name, expected in (("d2t", d2t), ("t2d", t2d)):
-                if expected is None:
-                    continue
-                if name not in names:
-                    raise ValueError(f"{where} holds no {name} tensor: its vocab mapping cannot be checked")
-                found = weights.get_tensor(name)
-                if found.shape != expected.shape or not np.array_equal(found, expected):
-                    num_different = int((found != expected).sum()) if found.shape == expected.shape else None
-                    how = (f"shape {found.shape} vs {expected.shape}" if num_different is None
-                           else f"{num_different} of {expected.size} entries differ")
-                    raise ValueError(f"{where} has another vocab mapping than {used_as}: its {name} differs "
-                                     f"({how}); use the mapping it was trained with")
 
 
 def keep_inputs(out_dir: Path, *, draft_config: str, vocab: str, training_records: Sequence[IndexEntry]) -> None:

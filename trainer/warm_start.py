@@ -22,7 +22,8 @@ def check_init_from(config: Config) -> DraftSource:
     """config.init_from's draft, after checking that it fits this run (ValueError naming the difference)."""
     from capture_format.fingerprint import model_fingerprint
     from trainer.draft_config import load_draft_config
-    from trainer.run_folder import check_draft_fits, read_draft_source
+    from trainer.draft_fit import check_draft_fits
+    from trainer.run_folder import read_draft_source
     from trainer.vocab import load_vocab_mapping
 
     assert config.init_from is not None

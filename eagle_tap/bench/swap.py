@@ -36,7 +36,8 @@ from typing import Any
 
 from eagle_tap.served.draft import SpeculativeConfig
 from eagle_tap.served.swap import _serialize  # swap_draft's own serialiser, timed apart
-from eagle_tap.served.swap import SwapResult, check_swappable, draft_tensors, swap_draft, weights_checksum
+from eagle_tap.served.swap import SwapResult, draft_tensors, swap_draft, weights_checksum
+from trainer.draft_fit import check_draft_fits, in_place_of
 from eagle_tap.sglang_server import ServerConfig, SGLangServer, post_json
 from eagle_tap.tiny_model import TINY_MODEL_DIR
 
@@ -183,7 +184,7 @@ def parts_s(url: str, drafts: dict[str, Path], repeats: int = 3) -> dict[str, fl
     times: dict[str, list[float]] = {"prepare": [], "checksums": []}
     for _ in range(repeats):
         started = time.perf_counter()
-        check_swappable(drafts["B"], drafts["A"])
+        check_draft_fits(drafts["B"], **in_place_of(drafts["A"]))
         named = draft_tensors(drafts["B"])
         _serialize(named)
         times["prepare"].append(time.perf_counter() - started)

@@ -5,7 +5,7 @@ tensors as shared-memory handles: the loop runs on the replica's host; see docs/
 not the plugin). Around it:
 - before any replica is touched: the version's files match the sha256 its version.json recorded, and the
   draft can take the served one's place (same architecture, sizes, aux layer ids, vocab mapping, tensor
-  shapes: `check_swappable` against the folder the replica was started from, or, where that folder is not
+  shapes: `trainer.draft_fit.check_draft_fits` against the folder the replica was started from, or, where that folder is not
   on this host, against the version the registry says it serves) and was made for the target it serves;
 - after the swap, `verify`: the target's checksum did not move, the draft's moved (or already was this
   version's), and equals the checksum recorded for this version on a replica of the same dtype and
@@ -29,7 +29,8 @@ from typing import Any
 
 from eagle_tap.served.draft import DraftMismatchError
 from eagle_tap.served.evaluate import Prompt
-from eagle_tap.served.swap import SwapResult, check_swappable, swap_draft, weights_checksum
+from eagle_tap.served.swap import SwapResult, swap_draft, weights_checksum
+from trainer.draft_fit import check_draft_fits, in_place_of
 
 
 class ReplicaDown(RuntimeError):
@@ -90,12 +91,9 @@ def check_fits_replica(candidate_dir: Path, replica: Serving, fallback_dir: Path
     if reference is None:
         raise DraftMismatchError(f"{replica.url} was started from {launched}, which is not on this host, and the "
                                  "registry records no version for it: start it from a registry version")
-    check_swappable(candidate_dir, reference)
     target = Path(replica.model_path)
-    if (target / "config.json").is_file():
-        from eagle_tap.served.draft import check_draft_fits_target
-
-        check_draft_fits_target(candidate_dir, target)
+    check_draft_fits(candidate_dir, **in_place_of(reference),
+                     target_dir=target if (target / "config.json").is_file() else None)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -163,9 +161,9 @@ def prepare_swap(url: str, version_dir: Path, *, reference_dir: Path | None) -> 
 def swap_in(url: str, version_dir: Path, *, reference_dir: Path | None) -> tuple[Serving, SwapResult, float]:
     """Check, then swap the draft in version_dir into url; (what the replica serves, SGLang's result, wall seconds
     of the swap)."""
-    replica, serving_dir = prepare_swap(url, version_dir, reference_dir=reference_dir)
+    replica, _ = prepare_swap(url, version_dir, reference_dir=reference_dir)
     started = time.perf_counter()
-    result = swap_draft(url, version_dir, serving_dir=serving_dir)
+    result = swap_draft(url, version_dir, serving_dir=None)  # prepare_swap checked it
     return replica, result, time.perf_counter() - started
 
 

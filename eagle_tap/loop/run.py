@@ -195,7 +195,7 @@ class Loop(LoopState):
         try:
             version_dir = self.registry.local_copy(version)
             reference = self.registry.local_copy(previous) if previous else version_dir
-            replica, serving_dir = rep.prepare_swap(url, version_dir, reference_dir=reference)
+            replica, _ = rep.prepare_swap(url, version_dir, reference_dir=reference)
         except rep.ReplicaDown as error:
             self.registry.event("replica_down", replica=url, version=version, why=str(error))
             self._set_replica(url, down=True)
@@ -205,7 +205,7 @@ class Loop(LoopState):
             return {"result": "refused", "why": str(error)}
         started = time.perf_counter()
         try:
-            result = swap_draft(url, version_dir, serving_dir=serving_dir)
+            result = swap_draft(url, version_dir, serving_dir=None)  # prepare_swap checked it
         except (RuntimeError, OSError, ValueError) as error:  # touched: SGLang refused, or the replica went away
             why = f"the swap failed: {type(error).__name__}: {error}"[:2000]
             self.registry.event("swap_failed", replica=url, version=version, why=why)

@@ -290,9 +290,9 @@ def simulated_acceptance(eval_json: Path, num_steps: int) -> dict[str, Any]:
 
 def evaluate_served(config: Config, *, log=print) -> dict[str, Any]:
     """Run both servers over the prompts; return (and write) the summary."""
-    from eagle_tap.served.draft import check_draft_fits_target
+    from trainer.draft_fit import check_draft_fits
 
-    checked = check_draft_fits_target(config.draft, config.target)
+    checked = check_draft_fits(config.draft, target_dir=config.target)
     if (config.data is None) == (config.shards is None):
         raise ValueError("give the prompts as conversations (data) or as capture shards (shards), one of the two")
     if config.shards is not None:

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Any
 
-from eagle_tap.served.draft import DraftMismatchError
 from eagle_tap.sglang_server import post_json
+from trainer.draft_fit import check_draft_fits, in_place_of
 
 NEVER_SENT = ("d2t", "t2d")
 """Tensors of an exported draft that stay out of a swap (besides any `embed_tokens`)."""
@@ -51,50 +50,6 @@ class SwapResult:
     def verified(self) -> bool:
         """The target's weights did not move and the draft's did (unless the same weights were sent again)."""
         return self.target_checksum_after == self.target_checksum_before
-
-
-def _safetensors_header(path: Path) -> dict[str, Any]:
-    with open(path, "rb") as file:
-        size = int.from_bytes(file.read(8), "little")
-        return json.loads(file.read(size))
-
-
-def check_swappable(candidate_dir: str | Path, serving_dir: str | Path) -> None:
-    """Raise DraftMismatchError unless the draft in candidate_dir can replace the one served from serving_dir
-    in place: same architecture, sizes, aux layer ids and vocab mapping, same tensor names and shapes."""
-    candidate_dir, serving_dir = Path(candidate_dir), Path(serving_dir)
-    configs = []
-    for folder in (candidate_dir, serving_dir):
-        try:
-            configs.append(json.loads((folder / "config.json").read_text(encoding="utf-8")))
-        except (OSError, ValueError) as error:
-            raise DraftMismatchError(f"cannot read the draft config in {folder}: {error}") from None
-    candidate, serving = configs
-    for key in ("architectures", "hidden_size", "target_hidden_size", "vocab_size", "draft_vocab_size",
-                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        if candidate.get(key) != serving.get(key):
-            raise DraftMismatchError(f"{candidate_dir} has {key} {candidate.get(key)!r}, the serving draft "
-                                     f"{serving.get(key)!r}: a swap cannot change it (restart the replica)")
-    layer_ids = [(config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") for config in configs]
-    if layer_ids[0] != layer_ids[1]:
-        raise DraftMismatchError(f"{candidate_dir} reads aux layer ids {layer_ids[0]}, the serving draft "
-                                 f"{layer_ids[1]}: a swap cannot change them")
-    headers = [_safetensors_header(folder / "model.safetensors") for folder in (candidate_dir, serving_dir)]
-    shapes = [{name: (entry["dtype"], entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
-              for header in headers]
-    if shapes[0] != shapes[1]:
-        differing = sorted(name for name in shapes[0].keys() | shapes[1].keys() if shapes[0].get(name) != shapes[1].get(name))
-        raise DraftMismatchError(f"{candidate_dir} and the serving draft differ in tensors {differing[:5]}")
-    from safetensors import safe_open
-
-    for name in NEVER_SENT:
-        if name not in shapes[0]:
-            continue
-        with safe_open(candidate_dir / "model.safetensors", "pt") as new, \
-                safe_open(serving_dir / "model.safetensors", "pt") as old:
-            if not new.get_tensor(name).equal(old.get_tensor(name)):
-                raise DraftMismatchError(f"{candidate_dir} has another vocab mapping ({name}) than the serving draft: "
-                                         "SGLang keeps the mapping it started with, so this draft needs a restart")
 
 
 def draft_tensors(draft_dir: str | Path) -> list[tuple[str, Any]]:
@@ -127,9 +82,12 @@ def _serialize(named: list[tuple[str, Any]]) -> str:
         torch.multiprocessing.set_sharing_strategy(strategy)
 
 
-def swap_draft(url: str, candidate_dir: str | Path, *, serving_dir: str | Path) -> SwapResult:
-    """Replace the weights of the draft the replica at url serves (from serving_dir) by candidate_dir's, in place."""
-    check_swappable(candidate_dir, serving_dir)
+def swap_draft(url: str, candidate_dir: str | Path, *, serving_dir: str | Path | None) -> SwapResult:
+    """Replace the weights of the draft the replica at url serves by candidate_dir's, in place. serving_dir: the
+    folder of the draft it serves, which the candidate is checked against first (trainer.draft_fit); None when
+    the caller checked it already (the loop's `prepare_swap`), so each swap runs the check once."""
+    if serving_dir is not None:
+        check_draft_fits(candidate_dir, **in_place_of(serving_dir))
     named = draft_tensors(candidate_dir)  # kept alive until the update returned: the payload only points at them
     payload = _serialize(named)
     draft_before, target_before = weights_checksum(url, "draft"), weights_checksum(url, "target")
