@@ -4,7 +4,8 @@ and the memory model that carries it to Kimi-K2.5's draft on one 141 GB GPU.
 Measured (CPU, fp32, one thread, batch 1, a moderate width): each window S and form (`fused`, what training
 runs: trainer/model.py's `attend` and ttt's chunked loss; `dense`, trainer/dense_reference.py: every score
 materialised) in a fresh process, a whole optimizer step (forward, backward, AdamW) after one warm-up step:
-peak RSS above what the process held before the step, and tokens/s. Dense stops at `dense_max_window`
+the peak RSS during that step (its high-water mark reset just before) above the RSS before it (weights,
+gradients and AdamW state are allocated by then), and tokens/s. Dense stops at `dense_max_window`
 (quadratic: 8,192 would need ~30 GB here).
 
 Model: the bytes autograd keeps for the backward, counted exactly (saved-tensor hooks, each storage once) at
@@ -12,8 +13,8 @@ small sizes while one width at a time changes, fitted as kept(S) = S * sum_w coe
 widths: hidden H, intermediate I, heads x head dim A, draft vocab D, captured states K*Ht, target vocab V
 through its chunk) plus the one shared (S, S) mask; under CPU bf16 autocast for the GPU's dtypes. A step's
 peak = fixed (weights, gradients, AdamW, frozen: trainer/budget.py) + kept + the largest transient (one
-chunk of target logits, or one TTT step's backward). The same model at the measured width is printed next
-to each measurement (its check); at Kimi's widths it is the projection, with DDP's gradient buckets, and
+chunk of target logits, or one TTT step's backward). The same model's kept + transient at the measured width
+is printed next to each measurement (its check); at Kimi's widths it is the projection, with DDP's gradient buckets, and
 with 2-way sequence parallelism (a rank keeps half the positions plus every position's first-step K/V).
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import resource
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -133,20 +133,26 @@ def _measure_step(shape: Shape, S: int, form: str, queue: Any) -> None:
     context = dense_objective if form == "dense" else contextlib.nullcontext
     warmup = synthetic_batch(shape, min(S, 128))
     with context():
-        for batch, measured in ((warmup, False), (synthetic_batch(shape, S), True)):
-            before_kib = _rss_kib()
+        for batch in (warmup, synthetic_batch(shape, S)):  # the second one is measured
+            before_kib = _reset_peak_kib()
             started = time.perf_counter()
             objective(batch)["loss"].backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
             seconds = time.perf_counter() - started
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    queue.put({"peak_bytes": (peak_kib - before_kib) * 1024, "seconds": seconds})
+    queue.put({"peak_bytes": (_status_kib("VmHWM") - before_kib) * 1024, "seconds": seconds})
 
 
-def _rss_kib() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * (resource.getpagesize() // 1024)
+def _reset_peak_kib() -> int:
+    """Resets this process's peak RSS to its RSS now (Linux: clear_refs 5) and returns that RSS."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+    return _status_kib("VmRSS")
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(f"{field}:"))
 
 
 def measure_step(shape: Shape, S: int, form: str) -> dict[str, float]:
@@ -244,7 +250,6 @@ def run(config: Config) -> dict[str, Any]:
     shape = config.shape
     cpu_model = fit_memory_model(shape, config.fit_window, autocast=False)
     gpu_model = fit_memory_model(shape, config.fit_window, autocast=True)
-    fixed = budget_of(shape, torch.float32).fixed_bytes
     rows, measured = [], {}
     for form in ("dense", "fused"):
         for S in config.windows:
@@ -252,7 +257,8 @@ def run(config: Config) -> dict[str, Any]:
                 continue
             result = measure_step(shape, S, form)
             measured[(form, S)] = result["peak_bytes"]
-            model_bytes = fixed + cpu_model.kept(shape, S) + cpu_model.transient(shape, S) if form == "fused" else None
+            # The measured step starts with weights, gradients and AdamW state allocated: it adds kept + transient.
+            model_bytes = cpu_model.kept(shape, S) + cpu_model.transient(shape, S) if form == "fused" else None
             rows.append({"item": f"{form}, CPU fp32", "window": S, "peak_mib": result["peak_bytes"] / MIB,
                          "model_mib": None if model_bytes is None else model_bytes / MIB,
                          "tokens_s": S / result["seconds"]})
