@@ -32,16 +32,16 @@ COMMAND_MODULES: tuple[str, ...] = (
     "trainer.cli",
     "eagle_tap.demo.cli",
     "eagle_tap.bench.cli",
-    "eagle_tap.served.cli",
+    "eagle_tap.serve.cli",
     "eagle_tap.loop.cli",
 )
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from eagle_tap.served.draft import DraftMismatchError, SpeculativeConfig
+    from eagle_tap.serve.draft import DraftMismatchError, SpeculativeConfig
     from trainer.draft_fit import check_draft_fits
-    from eagle_tap.sglang_server import ServerConfig, SGLangServer
-    from eagle_tap.tiny_model import TINY_MODEL_DIR
+    from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer
+    from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
     model_path = Path(args.model) if args.model else TINY_MODEL_DIR
     speculative = None
@@ -93,8 +93,8 @@ def project_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = []
     if "client.endpoints" in sys.modules:
         errors.append(sys.modules["client.endpoints"].RequestFailed)
-    if "eagle_tap.sglang_server" in sys.modules:
-        errors.append(sys.modules["eagle_tap.sglang_server"].ServerStartError)
+    if "eagle_tap.serve.sglang_server" in sys.modules:
+        errors.append(sys.modules["eagle_tap.serve.sglang_server"].ServerStartError)
     return tuple(errors)
 
 

@@ -24,9 +24,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from capture_format import ShardDirectory, float32_from_bfloat16_bits  # noqa: E402
 from capture_format.tag import CaptureTag  # noqa: E402
-from eagle_tap.collector_process import CollectorProcess  # noqa: E402
-from eagle_tap.sglang_server import ServerConfig, SGLangServer, post_json  # noqa: E402
-from eagle_tap.tiny_model import TINY_MODEL_DIR  # noqa: E402
+from eagle_tap.testbed.collector_process import CollectorProcess  # noqa: E402
+from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer  # noqa: E402
+from eagle_tap.serve.http_api import post_json  # noqa: E402
+from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR  # noqa: E402
 from sglang_patch.selection import live_record_id  # noqa: E402
 from sglang_patch.stats import read_stats_file  # noqa: E402
 

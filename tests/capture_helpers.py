@@ -14,8 +14,8 @@ import torch
 
 from capture_format import decode_frame, float32_from_bfloat16_bits
 from capture_format.tag import CaptureTag
-from eagle_tap.collector_process import CollectorProcess
-from eagle_tap.sglang_server import post_json
+from eagle_tap.testbed.collector_process import CollectorProcess
+from eagle_tap.serve.http_api import post_json
 from sglang_patch.stats import read_stats_file
 
 

@@ -1,4 +1,11 @@
-"""Shared fixtures: the tiny target model and real SGLang servers (CPU here) that are always stopped."""
+"""Shared fixtures: the tiny target model and real SGLang servers (CPU here) that are always stopped; and the
+suite's tiers, one marker each, so a part of it can be run alone (`make test` runs them all):
+
+- `unit`: in this process, no server, no child process (`pytest -m unit`: a minute or two);
+- `integration`: real parts talking: an SGLang server, a collector, an S3 server, torchrun or other child
+  processes (every test marked `sglang` is one);
+- `e2e`: a whole pipeline, from serving through training to serving again (`E2E_MODULES`).
+A test's tier comes from its module: its name for e2e, what its source starts for integration (`SERVICES`)."""
 
 from __future__ import annotations
 
@@ -7,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle_tap.collector_process import CollectorProcess
-from eagle_tap.sglang_server import ServerConfig, SGLangServer
+from eagle_tap.testbed.collector_process import CollectorProcess
+from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer
 
 
 def _cuda_available() -> bool:
@@ -19,7 +26,26 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+E2E_MODULES = frozenset({"test_demo.py", "test_pipeline_deepseek.py", "test_loop.py", "test_export_serving.py"})
+SERVICES = ("CollectorProcess", "ThreadedCollector", "start_sglang", "SGLangServer", "S3Server", "torchrun",
+            "multiprocessing.spawn", "subprocess", "capture_server", "spec_servers", "sglang")
+"""Names whose use in a test module's source makes its tests integration tests."""
+_TIERS: dict[Path, str] = {}
+
+
+def tier_of(path: Path) -> str:
+    """"e2e", "integration" or "unit" for the tests of one module (see the module docstring)."""
+    if path not in _TIERS:
+        source = path.read_text(encoding="utf-8")
+        _TIERS[path] = ("e2e" if path.name in E2E_MODULES else
+                        "integration" if any(name in source for name in SERVICES) else "unit")
+    return _TIERS[path]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = "integration" if "sglang" in item.keywords and tier_of(item.path) == "unit" else tier_of(item.path)
+        item.add_marker(getattr(pytest.mark, tier))
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items or _cuda_available():
         return
@@ -30,7 +56,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    from eagle_tap.tiny_model import TINY_MODEL_DIR
+    from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
     return TINY_MODEL_DIR
 
@@ -38,7 +64,7 @@ def tiny_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def random_target(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Factory: `random_target(arch)` -> folder of a tiny random target of that architecture, built once per session."""
-    from eagle_tap.tiny_model import random
+    from eagle_tap.testbed.tiny_model import random
 
     built: dict[str, Path] = {}
 

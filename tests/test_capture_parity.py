@@ -26,8 +26,8 @@ import torch
 
 from capture_helpers import (aux_as_float, final_as_float, generate, median_token_error,
                              read_stats, relative_error, stored_record, wait_for)
-from eagle_tap.sglang_server import ServerConfig, SGLangServer
-from eagle_tap.tiny_model import TINY_MODEL_DIR
+from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer
+from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
 pytestmark = pytest.mark.sglang
 

@@ -7,7 +7,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from eagle_tap.collector_process import CollectorProcess
+from eagle_tap.testbed.collector_process import CollectorProcess
 
 
 def _connect(port: int) -> socket.socket:
@@ -53,7 +53,7 @@ def test_healthz_reports_a_folder_that_stopped_taking_writes() -> None:
 
     import httpx
 
-    from eagle_tap.sglang_server import free_port
+    from eagle_tap.serve.sglang_server import free_port
     from test_collector_support import make_frame
 
     as_root = os.geteuid() == 0

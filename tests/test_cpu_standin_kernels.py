@@ -1,6 +1,6 @@
 """eagle-tap's torch stand-ins of the `sgl_kernel` CPU ops against their references, on random inputs.
 
-What must hold, per op of `eagle_tap/cpu_standins/_eagle_tap_kernels.py`:
+What must hold, per op of `eagle_tap/testbed/cpu_standins/_eagle_tap_kernels.py`:
 - the bookkeeping ops write exactly what SGLang's Triton twin next to the call site writes (run by Triton's
   interpreter in a subprocess, `tests/triton_twins_of_cpu_standins.py`), for batches of 1, several and
   none where the call site allows it, lengths of 0 and 1, slots at the end of a pool row, and the int32
@@ -34,7 +34,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle_tap.sglang_server import CPU_STANDINS_DIR
+from eagle_tap.serve.sglang_server import CPU_STANDINS_DIR
 
 sys.path.insert(0, str(Path(__file__).parent))
 from triton_twins_of_cpu_standins import buffer_table, decode, encode  # noqa: E402

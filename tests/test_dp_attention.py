@@ -12,7 +12,7 @@ What must hold under DP attention: requests spread over both groups; each group'
 that group alone (its attention-TP rank 0), so each record is stored once; each group keeps its own stats
 file (`<spool>/dp<rank>/stats.json`); prefill captures (tagged requests) and one-pass live captures with
 decode rows (a decoding group runs beside an idle one, whose forward is an IDLE batch) both equal HF.
-The CPU measures that make this run are in `eagle_tap/cpu_standins/_eagle_tap_dp_attention_cpu.py`.
+The CPU measures that make this run are in `eagle_tap/testbed/cpu_standins/_eagle_tap_dp_attention_cpu.py`.
 
 One multi-rank server at a time (three processes of about 1.5 GB each); on 2 cores each starts in 40-140 s.
 """
@@ -28,7 +28,8 @@ import pytest
 import torch
 
 from capture_helpers import check_rows_equal_transformers, generate, hf_greedy, read_stats, stored_record, wait_for
-from eagle_tap.sglang_server import ServerConfig, SGLangServer, post_json
+from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer
+from eagle_tap.serve.http_api import post_json
 
 pytestmark = pytest.mark.sglang
 

@@ -18,7 +18,7 @@ import pytest
 
 from capture_format.tag import CaptureTag
 from capture_helpers import aux_as_float, final_as_float, generate, read_stats, relative_error, stored_record, wait_for
-from eagle_tap.sglang_server import post_json
+from eagle_tap.serve.http_api import post_json
 from sglang_patch.selection import is_sampled
 
 pytestmark = pytest.mark.sglang

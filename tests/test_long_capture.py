@@ -28,8 +28,8 @@ from capture_format.parts import SENDER_MAX_BACKOFF_S
 from capture_format.tag import CaptureTag
 from capture_helpers import (aux_as_float, final_as_float, locate,
                              median_token_error, read_stats, relative_error, wait_for)
-from eagle_tap.collector_process import CollectorProcess
-from eagle_tap.sglang_server import post_json
+from eagle_tap.testbed.collector_process import CollectorProcess
+from eagle_tap.serve.http_api import post_json
 from sglang_patch.selection import live_record_id
 
 pytestmark = pytest.mark.sglang

@@ -167,8 +167,8 @@ class Rig:
     """Two replicas started with the untrained draft, a draftless reference, the exports and a loop config."""
 
     def __init__(self, tmp_path_factory) -> None:
-        from eagle_tap.sglang_server import ServerConfig, SGLangServer
-        from eagle_tap.served.draft import SpeculativeConfig
+        from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer
+        from eagle_tap.serve.draft import SpeculativeConfig
         from test_trainer_export import trained_run
 
         self.tmp = tmp_path_factory
@@ -176,7 +176,7 @@ class Rig:
         self.trained, self.untrained = root / "trained", root / "untrained"
         assert main(["export", "--checkpoint", str(trained_run()), "--out", str(self.trained)]) == 0
         assert main(["export", "--checkpoint", str(trained_run()), "--out", str(self.untrained), "--untrained"]) == 0
-        from eagle_tap.tiny_model import TINY_MODEL_DIR
+        from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
         self.model = TINY_MODEL_DIR
         chain = SpeculativeConfig(draft_dir=self.untrained, num_steps=3).server_args()
@@ -214,7 +214,7 @@ class Rig:
 def prompts() -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from eagle_tap.tiny_model import TINY_MODEL_DIR
+    from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
     rendered = []
@@ -225,21 +225,21 @@ def prompts() -> list[list[int]]:
 
 
 def generate(url: str, ids: list[int]) -> dict:
-    from eagle_tap.sglang_server import post_json
+    from eagle_tap.serve.http_api import post_json
 
     return post_json(f"{url}/generate", {"input_ids": ids, "sampling_params": {
         "max_new_tokens": MAX_NEW_TOKENS, "temperature": 0}})
 
 
 def checksum(url: str, selector: str = "draft") -> str:
-    from eagle_tap.served.swap import weights_checksum
+    from eagle_tap.serve.http_api import weights_checksum
 
     return weights_checksum(url, selector)
 
 
 def served_acceptance(url: str, ids_list: list[list[int]]) -> float:
     from eagle_tap.loop.replicas import probe_acceptance
-    from eagle_tap.served.evaluate import Prompt
+    from eagle_tap.serve.evaluate import Prompt
 
     return probe_acceptance(url, [Prompt(f"p{i}", ids) for i, ids in enumerate(ids_list)],
                             MAX_NEW_TOKENS)["acceptance_length"]
@@ -448,7 +448,7 @@ def test_a_replica_that_fails_verification_after_the_canary_is_put_back_alone(ri
 
 @pytest.mark.sglang
 def test_a_replica_down_during_a_promotion_is_caught_up_once_it_answers(rig, tmp_path):
-    from eagle_tap.sglang_server import SGLangServer
+    from eagle_tap.serve.sglang_server import SGLangServer
 
     a, b = rig.a.url, rig.b.url
     perturbed = edited_copy(rig.trained, tmp_path / "perturbed",

@@ -30,8 +30,8 @@ from capture_format.remote_shards import RemoteShardDirectory
 from capture_format.shard_index import format_index, parse_shard_file_name, shard_file_name, shard_stem
 from collector_service.uploader import Uploader, pending_uploads
 from eagle_tap.cli import main
-from eagle_tap.s3_server import S3Server
-from eagle_tap.sglang_server import free_port
+from eagle_tap.testbed.s3_server import S3Server
+from eagle_tap.serve.sglang_server import free_port
 from test_collector_support import OCTET_STREAM, CollectorProcess, ThreadedCollector, make_frame, make_record
 
 sys.path.insert(0, str(Path(__file__).parent))

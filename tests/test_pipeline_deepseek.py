@@ -29,7 +29,7 @@ def sglang_layers_to_capture(architecture: str, layer_ids: list[int]) -> list[in
     """Run in a fresh process: the decoder-layer inputs SGLang's model class captures for `layer_ids`."""
     from types import SimpleNamespace
 
-    from eagle_tap.sglang_server import use_cpu_stand_ins_in_this_process
+    from eagle_tap.serve.sglang_server import use_cpu_stand_ins_in_this_process
 
     use_cpu_stand_ins_in_this_process()
     from sglang.srt.models import deepseek_v2

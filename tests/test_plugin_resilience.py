@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from eagle_tap.sglang_server import free_port
+from eagle_tap.serve.sglang_server import free_port
 from sglang_patch.settings import load_settings
 from capture_helpers import generate, locate, read_stats, stored_record, wait_for
 from test_plugin_capture import prompt_ids

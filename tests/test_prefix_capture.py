@@ -19,7 +19,7 @@ from capture_format.prefix_blocks import record_namespace
 from capture_format.tag import CaptureTag
 from capture_helpers import (aux_as_float, final_as_float, median_token_error, read_stats, resolved_record,
                              stored_record, wait_for)
-from eagle_tap.sglang_server import post_json
+from eagle_tap.serve.http_api import post_json
 
 pytestmark = pytest.mark.sglang
 

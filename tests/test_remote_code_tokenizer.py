@@ -11,7 +11,7 @@ import pytest
 from client.spans import ChatTokenizer
 from eagle_tap.cli import main
 from eagle_tap.demo import CONVERSATIONS_PATH
-from eagle_tap.tiny_model import TINY_MODEL_DIR
+from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 from trainer.vocab import template_token_ids
 
 

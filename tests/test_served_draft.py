@@ -19,10 +19,10 @@ import pytest
 
 import trainer_data
 from eagle_tap.cli import main
-from eagle_tap.served.draft import DraftMismatchError, SpeculativeConfig
+from eagle_tap.serve.draft import DraftMismatchError, SpeculativeConfig
 from trainer.draft_fit import check_draft_fits
-from eagle_tap.served.evaluate import Config, evaluate_served, load_prompts, prompts_from_shards
-from eagle_tap.sglang_server import ServerConfig, SGLangServer
+from eagle_tap.serve.evaluate import Config, evaluate_served, load_prompts, prompts_from_shards
+from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer
 from test_trainer_export import trained_run
 
 pytestmark = pytest.mark.sglang

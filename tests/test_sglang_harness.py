@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from capture_helpers import post_json
-from eagle_tap import sglang_server
-from eagle_tap.sglang_server import CPU_STANDINS_DIR, ServerConfig, SGLangServer, ServerStartError
+from eagle_tap.serve import sglang_server
+from eagle_tap.serve.sglang_server import CPU_STANDINS_DIR, ServerConfig, SGLangServer, ServerStartError
 
 PROMPTS = [
     "def read_config(path):\n    with open(path) as f:\n",
@@ -125,7 +125,7 @@ def test_stand_ins_import_but_raise_a_clear_error_when_called(statement):
 
 
 def test_serve_command_stops_every_process_even_when_signalled_twice(tmp_path):
-    from eagle_tap.sglang_server import free_port
+    from eagle_tap.serve.sglang_server import free_port
 
     port = free_port()
     command = [sys.executable, "-m", "eagle_tap.cli", "serve", "--port", str(port), "--log", str(tmp_path / "server.log")]

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from capture_format import FrameError, ShardDirectory, ShardError, verify_shard, write_shards
-from eagle_tap.collector_process import CollectorProcess
+from eagle_tap.testbed.collector_process import CollectorProcess
 from test_capture_format_shards import make_record
 from test_collector_support import make_frame
 

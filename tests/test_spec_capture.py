@@ -24,9 +24,11 @@ import trainer_data
 from capture_format.tag import CaptureTag
 from capture_helpers import aux_as_float, final_as_float, read_stats, stored_record, wait_for
 from eagle_tap.cli import main
-from eagle_tap.sglang_server import ServerConfig, SGLangServer, post_json
-from eagle_tap.served.draft import DraftMismatchError, SpeculativeConfig
-from eagle_tap.served.swap import swap_draft, weights_checksum
+from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer
+from eagle_tap.serve.http_api import post_json
+from eagle_tap.serve.draft import DraftMismatchError, SpeculativeConfig
+from eagle_tap.serve.swap import swap_draft
+from eagle_tap.serve.http_api import weights_checksum
 from sglang_patch.selection import is_sampled
 from sglang_patch.speculative import METADATA_KEY, accepted_from_metadata
 from capture_helpers import resolved_record

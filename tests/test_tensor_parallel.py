@@ -27,9 +27,10 @@ from capture_format.tag import CaptureTag
 from capture_helpers import (aux_as_float, check_rows_equal_transformers, final_as_float, hf_greedy, read_stats,
                              relative_error, resolved_record, wait_for)
 from eagle_tap.cli import main
-from eagle_tap.sglang_server import ServerConfig, SGLangServer, post_json
-from eagle_tap.served.draft import SpeculativeConfig
-from eagle_tap.tiny_model import TINY_MODEL_DIR
+from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer
+from eagle_tap.serve.http_api import post_json
+from eagle_tap.serve.draft import SpeculativeConfig
+from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 from sglang_patch.forward_hook import CaptureHook
 from sglang_patch.selection import DECISION_CHECKPOINT, live_record_id
 from sglang_patch.settings import CaptureSettings

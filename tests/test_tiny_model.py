@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from eagle_tap.tiny_model import TINY_MODEL_DIR
+from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
 # Written for this test, so it is in no training file; ordinary Python the model should find predictable.
 UNSEEN_CODE = '''import os
@@ -84,7 +84,7 @@ def model():
 
 
 def test_package_import_stays_light():
-    code = "import sys, eagle_tap.tiny_model as m; assert m.TINY_MODEL_DIR.is_dir(); print(sorted(set(sys.modules) & {'torch', 'transformers'}))"
+    code = "import sys, eagle_tap.testbed.tiny_model as m; assert m.TINY_MODEL_DIR.is_dir(); print(sorted(set(sys.modules) & {'torch', 'transformers'}))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 

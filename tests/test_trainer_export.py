@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from eagle_tap.cli import main
-from eagle_tap.sglang_server import free_port
+from eagle_tap.serve.sglang_server import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 import trainer_data  # noqa: E402
@@ -88,7 +88,7 @@ def test_the_exporter_refuses_a_missing_tensor_or_a_wrong_shape(tmp_path: Path, 
 
 def sglang_check(export_dir: str, record_shards: str, port: int) -> dict:
     """Run in a fresh process: load the folder with SGLang's class and compare its forward with our draft's."""
-    from eagle_tap.sglang_server import use_cpu_stand_ins_in_this_process
+    from eagle_tap.serve.sglang_server import use_cpu_stand_ins_in_this_process
 
     use_cpu_stand_ins_in_this_process()
     import os

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle_tap.cli import main
-from eagle_tap.tiny_model import TINY_MODEL_DIR
+from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 from trainer import model, ttt
 from trainer.draft_config import build_draft_config
 from trainer.target_weights import load_embedding_and_lm_head

@@ -14,7 +14,7 @@ import torch
 import capture_format as cf
 from capture_format.token_ids import read_token_ids
 from eagle_tap.cli import main
-from eagle_tap.tiny_model import TINY_MODEL_DIR
+from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 from trainer import vocab
 
 sys.path.insert(0, str(Path(__file__).parent))

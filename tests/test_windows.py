@@ -22,7 +22,7 @@ from capture_format.object_store import RecordCache, s3_filesystem
 from capture_format.prefix_blocks import BLOCK_KIND, BlockCache, DanglingPrefixError, prefix_key, states_namespace
 from capture_format.remote_shards import RemoteShardDirectory
 from capture_format.shard_index import format_index, shard_stem
-from eagle_tap.s3_server import S3Server
+from eagle_tap.testbed.s3_server import S3Server
 
 LAYERS = (2, 5, 7)
 FRAME_ENDS = (16, 40, 47, 90, 100, 129)  # the shared block, four parts, the record's own frame

@@ -28,7 +28,7 @@ import numpy as np
 
 import capture_format as cf
 from capture_format.fingerprint import model_fingerprint
-from eagle_tap.tiny_model import TINY_MODEL_DIR
+from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
 STDLIB_MODULES = (
     "argparse", "base64", "bisect", "calendar", "csv", "difflib", "fnmatch", "fractions", "ftplib", "glob",

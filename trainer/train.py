@@ -44,7 +44,7 @@ import capture_format as cf
 from trainer import data, distributed, sequence_parallel, ttt
 from trainer.budget import memory_budget
 from trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
-from trainer.config import Config, OptimizerConfig
+from trainer.config import Config
 from trainer.config_io import config_from_dict, config_to_dict
 from trainer.data import Config as DataConfig
 from trainer.metrics import MetricsLog, write_plots

@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from capture_format.tag import CaptureTag
-from eagle_tap.collector_process import CollectorProcess
+from eagle_tap.testbed.collector_process import CollectorProcess
 from sglang_patch.stats import read_stats_file
-from eagle_tap.sglang_server import ServerConfig, SGLangServer, post_json
-from eagle_tap.tiny_model import TINY_MODEL_DIR
+from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer
+from eagle_tap.serve.http_api import post_json
+from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
 COLUMNS = [
     ["round", "round", "d"],

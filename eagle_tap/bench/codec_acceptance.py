@@ -50,7 +50,7 @@ def _train_one(work: Path, shards: Path, seed: int, config: AcceptanceConfig, na
     from trainer.config import DataConfig, ObjectiveConfig, OptimizerConfig
     from trainer.train import train
 
-    from eagle_tap.tiny_model import TINY_MODEL_DIR
+    from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
     run_dir = work / "runs" / f"{name}-seed{seed}"
     train(TrainConfig(
@@ -95,7 +95,7 @@ def measure_acceptance(config: AcceptanceConfig, work: Path, log) -> dict[str, A
     from trainer.evaluate import evaluate
     from trainer.vocab import build_vocab_mapping
 
-    from eagle_tap.tiny_model import TINY_MODEL_DIR
+    from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
     if config.ttt_steps < config.chain_length:
         raise ValueError(f"ttt_steps {config.ttt_steps} must be at least chain_length {config.chain_length}")

@@ -118,7 +118,7 @@ def tiny_model_states(num_tokens: int) -> np.ndarray:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eagle_tap.tiny_model import TINY_MODEL_DIR
+    from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
     ids: list[int] = []
     with quiet_transformers():

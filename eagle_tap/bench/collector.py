@@ -36,7 +36,7 @@ import xxhash
 import capture_format as cf
 from capture_format.frame_header import load_header
 from eagle_tap.bench.codecs import residual_like_states
-from eagle_tap.collector_process import CollectorProcess
+from eagle_tap.testbed.collector_process import CollectorProcess
 
 _PREFIX = struct.Struct("<8sHHIQQ")
 TOKEN = "bench-token"

@@ -39,9 +39,10 @@ import numpy as np
 
 from capture_format.tag import CaptureTag
 from eagle_tap.bench.capture import tree_cpu_s, wait_stored
-from eagle_tap.collector_process import CollectorProcess
-from eagle_tap.sglang_server import SGLangServer, ServerConfig, post_json
-from eagle_tap.tiny_model import TINY_MODEL_DIR
+from eagle_tap.testbed.collector_process import CollectorProcess
+from eagle_tap.serve.sglang_server import SGLangServer, ServerConfig
+from eagle_tap.serve.http_api import post_json
+from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 from sglang_patch.selection import is_sampled
 from sglang_patch.stats import read_stats_file
 

@@ -45,9 +45,10 @@ import numpy as np
 from capture_format import ShardDirectory
 from capture_format.tag import CaptureTag
 from eagle_tap.bench.capture import start_all
-from eagle_tap.collector_process import CollectorProcess
-from eagle_tap.sglang_server import ServerConfig, SGLangServer, post_json
-from eagle_tap.tiny_model import TINY_MODEL_DIR
+from eagle_tap.testbed.collector_process import CollectorProcess
+from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer
+from eagle_tap.serve.http_api import post_json
+from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 from sglang_patch.stats import read_stats_file
 
 MB = 1e6

@@ -56,7 +56,7 @@ def long_chats(count: int, seed: int) -> list[list[dict[str, str]]]:
     """count chats of 60 question-answer turns each (longer than any record needs), from stdlib modules."""
     import sysconfig
 
-    from eagle_tap.tiny_model.build import api_entries, question_answer
+    from eagle_tap.testbed.tiny_model.build import api_entries, question_answer
 
     rng = random.Random(seed)
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -82,7 +82,7 @@ def capture(chats: list[list[dict[str, str]]], config: Config, id_prefix: str) -
 
     import capture_format as cf
     from capture_format.fingerprint import model_fingerprint
-    from eagle_tap.tiny_model import TINY_MODEL_DIR
+    from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
@@ -113,7 +113,7 @@ def train_run(work: Path, name: str, config: Config, *, max_length: int, batch_s
     from trainer.metrics import read_metrics
     from trainer.train import train
 
-    from eagle_tap.tiny_model import TINY_MODEL_DIR
+    from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
     started = time.perf_counter()
     train(TrainConfig(
@@ -139,7 +139,7 @@ def measure(config: Config, work: Path, log=print) -> dict[str, Any]:
     from trainer.evaluate import evaluate
     from trainer.vocab import build_vocab_mapping
 
-    from eagle_tap.tiny_model import TINY_MODEL_DIR
+    from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
     torch.set_num_threads(config.num_threads)
     work.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Object-store benchmark: trainer input from an S3 bucket (cache cold, then warm) vs local disk vs training steps.
 
-The bucket is moto's S3 server (eagle_tap.s3_server), a child process on loopback speaking the real S3
+The bucket is moto's S3 server (eagle_tap.testbed.s3_server), a child process on loopback speaking the real S3
 HTTP API; the shards are trainer_pipeline's synthetic records of the tiny target, uploaded by the
 collector's own Uploader (put, read back and checked, index last), which is timed too. Each loader row
 reads one epoch through trainer/data.py's ShardDataset and make_loader as `eagle-tap train` builds them
@@ -86,12 +86,12 @@ def _upload(shards: Path, url: str) -> dict[str, Any]:
 
 
 def run(config: Config) -> dict[str, Any]:
-    from eagle_tap.s3_server import S3Server
+    from eagle_tap.testbed.s3_server import S3Server
     from trainer import data, ttt
     from trainer.config import Config as TrainConfig
 
     import capture_format as cf
-    from eagle_tap.tiny_model import TINY_MODEL_DIR
+    from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
     measured = config.data
     work = Path(tempfile.mkdtemp(prefix="eagle-tap-bench-objstore-", dir=measured.work_dir))

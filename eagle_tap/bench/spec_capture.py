@@ -46,10 +46,10 @@ from eagle_tap.bench.live import (
     stored_records,
     wait_records,
 )
-from eagle_tap.collector_process import CollectorProcess
-from eagle_tap.served.draft import SpeculativeConfig
-from eagle_tap.sglang_server import ServerConfig, SGLangServer
-from eagle_tap.tiny_model import TINY_MODEL_DIR
+from eagle_tap.testbed.collector_process import CollectorProcess
+from eagle_tap.serve.draft import SpeculativeConfig
+from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer
+from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 from sglang_patch.selection import is_sampled
 from sglang_patch.speculative import METADATA_KEY
 from sglang_patch.stats import read_stats_file

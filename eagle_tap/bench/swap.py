@@ -1,7 +1,7 @@
 """Swapping a served draft's weights in place: how long it takes, how long generation stalls, what SGLang checks.
 
 Per width in `hidden_sizes`, one CPU SGLang server at a time (stopped before the next starts) serves a target
-of that hidden size with EAGLE-3 chain drafting, and `eagle_tap.served.swap.swap_draft` puts two random drafts
+of that hidden size with EAGLE-3 chain drafting, and `eagle_tap.serve.swap.swap_draft` puts two random drafts
 of the same shape (A, the one it started with, and B, other weights) into it by turns, A -> B -> A ...:
 `num_swaps` swaps idle, then `num_swaps` more while `load_concurrency` threads send greedy requests throughout,
 `gap_s` apart. Width 128 is the bundled tiny target; other widths are random Llama targets built here (`num_layers` layers,
@@ -34,12 +34,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle_tap.served.draft import SpeculativeConfig
-from eagle_tap.served.swap import _serialize  # swap_draft's own serialiser, timed apart
-from eagle_tap.served.swap import SwapResult, draft_tensors, swap_draft, weights_checksum
+from eagle_tap.serve.draft import SpeculativeConfig
+from eagle_tap.serve.swap import _serialize  # swap_draft's own serialiser, timed apart
+from eagle_tap.serve.swap import SwapResult, draft_tensors, swap_draft
+from eagle_tap.serve.http_api import weights_checksum
 from trainer.draft_fit import check_draft_fits, in_place_of
-from eagle_tap.sglang_server import ServerConfig, SGLangServer, post_json
-from eagle_tap.tiny_model import TINY_MODEL_DIR
+from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer
+from eagle_tap.serve.http_api import post_json
+from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
 TINY_HIDDEN_SIZE = 128
 """The bundled tiny target's width: served as it is; other widths get a random target."""
@@ -84,14 +86,14 @@ class Config:
 
 
 def build_target(hidden_size: int, num_layers: int, out_dir: Path) -> Path:
-    """A random bf16 Llama target of this width in out_dir: the random llama of `eagle_tap.tiny_model.random`
+    """A random bf16 Llama target of this width in out_dir: the random llama of `eagle_tap.testbed.tiny_model.random`
     with heads of 64, intermediate 4x hidden, the tiny tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eagle_tap.tiny_model.random import TOKENIZER_FILES
-    from eagle_tap.tiny_model.random import Config as RandomConfig
-    from eagle_tap.tiny_model.random import hf_config
+    from eagle_tap.testbed.tiny_model.random import TOKENIZER_FILES
+    from eagle_tap.testbed.tiny_model.random import Config as RandomConfig
+    from eagle_tap.testbed.tiny_model.random import hf_config
 
     config = hf_config(RandomConfig(arch="llama", num_layers=num_layers))
     config.hidden_size, config.intermediate_size, config.head_dim = hidden_size, 4 * hidden_size, HEAD_DIM

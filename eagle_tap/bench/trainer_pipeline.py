@@ -32,7 +32,7 @@ import numpy as np
 
 import capture_format as cf
 from eagle_tap.bench.codecs import residual_like_states
-from eagle_tap.tiny_model import TINY_MODEL_DIR
+from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
 COLUMNS = [
     ["item", "what", "s"],

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_tap.demo import CONVERSATIONS_PATH
-from eagle_tap.demo.run import (_fire, _start_collector, _stop_collector, descendants, prepare_out_dir, still_running,
+from eagle_tap.demo.run import (descendants, fire, prepare_out_dir, start_collector, still_running, stop_collector,
                                 user_questions, verify_target)
 from eagle_tap.loop.rounds import shard_entries
 
@@ -104,7 +104,7 @@ def _frequency_file(config: LoopDemoConfig, out: Path) -> Path:
     from transformers import AutoTokenizer
 
     from capture_format.token_frequencies import write_token_frequencies
-    from eagle_tap.tiny_model import TINY_MODEL_DIR
+    from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
     from trainer.vocab import tokenizer_fingerprint
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
@@ -127,13 +127,13 @@ def _frequency_file(config: LoopDemoConfig, out: Path) -> Path:
 
 def _collector(stack: contextlib.ExitStack, data_dir: Path, port: int, token: str):
     """The demo's collector, sealing shards every 3 s: the loop reads only sealed shards."""
-    return _start_collector(stack, data_dir, port, token, extra_args=("--seal-after-s", "3"))
+    return start_collector(stack, data_dir, port, token, extra_args=("--seal-after-s", "3"))
 
 
 def capture(config: LoopDemoConfig, out: Path, parts: dict[str, Path], token: str, port: int) -> dict[str, Any]:
     """Stage 1: the old domain's training records and both held-out sets, from a draftless server."""
-    from eagle_tap.sglang_server import ServerConfig, SGLangServer
-    from eagle_tap.tiny_model import TINY_MODEL_DIR
+    from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer
+    from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
     from eagle_tap.demo.run import Config as DemoConfig
 
@@ -149,9 +149,9 @@ def capture(config: LoopDemoConfig, out: Path, parts: dict[str, Path], token: st
                                           ("new-heldout", "new_heldout", 0.0)):
             collector = _collector(stack, out / "captures" / shards, port, token)
             print(f"firing {parts[part].name} (temperature {temperature}) -> captures/{shards}", flush=True)
-            result[part] = _fire(fire_config, server.url, collector.url, token, parts[part],
-                                 out / "runs" / f"fire-{part}", temperature)
-            result[f"{part}_collector"] = _stop_collector(collector, token)
+            result[part] = fire(fire_config, server.url, collector.url, token, parts[part],
+                                out / "runs" / f"fire-{part}", temperature)
+            result[f"{part}_collector"] = stop_collector(collector, token)
     return result
 
 
@@ -162,7 +162,7 @@ def train_first_draft(config: LoopDemoConfig, out: Path) -> dict[str, Any]:
     from trainer.train import train
     from trainer.vocab import build_vocab_mapping
 
-    from eagle_tap.tiny_model import TINY_MODEL_DIR
+    from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
     mapping, _ = build_vocab_mapping(target_dir=TINY_MODEL_DIR, draft_vocab_size=config.draft_vocab_size,
                                      out_dir=out / "vocab", frequency_file=_frequency_file(config, out),
@@ -182,7 +182,7 @@ def _train_config(config: LoopDemoConfig, out: Path, run_dir: Path, *, steps: in
     from trainer.config import Config as TrainConfig
     from trainer.config import DataConfig, ObjectiveConfig, OptimizerConfig
 
-    from eagle_tap.tiny_model import TINY_MODEL_DIR
+    from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
     return TrainConfig(
         target=str(TINY_MODEL_DIR), draft_config=str(out / "draft-config.json"), vocab=str(out / "vocab"),
@@ -208,10 +208,10 @@ def run_loop_demo(config: LoopDemoConfig) -> dict[str, Any]:
     from eagle_tap.loop.config import LoopConfig
     from eagle_tap.loop.run import Loop
     from eagle_tap.loop.status import collect, plot_status
-    from eagle_tap.served.draft import SpeculativeConfig
-    from eagle_tap.served.evaluate import prompts_from_shards
-    from eagle_tap.sglang_server import ServerConfig, SGLangServer, free_port
-    from eagle_tap.tiny_model import TINY_MODEL_DIR
+    from eagle_tap.serve.draft import SpeculativeConfig
+    from eagle_tap.serve.evaluate import prompts_from_shards
+    from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer, free_port
+    from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
     out = prepare_out_dir(config.out_dir, replace=config.replace)
     started = time.monotonic()

@@ -146,7 +146,7 @@ def prepare_out_dir(out: Path, *, replace: bool) -> Path:
 
 def verify_target() -> dict[str, Any]:
     """The bundled tiny target, checked against the digest its build recorded."""
-    from eagle_tap.tiny_model import TINY_MODEL_DIR
+    from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
     info = json.loads((TINY_MODEL_DIR / "BUILD_INFO.json").read_text(encoding="utf-8"))
     digest = hashlib.sha256((TINY_MODEL_DIR / "model.safetensors").read_bytes()).hexdigest()
@@ -195,8 +195,8 @@ def user_questions(path: Path) -> list[str]:
 def capture(config: Config, out: Path, train_data: Path, heldout_data: Path) -> dict[str, Any]:
     """Stages 2-4: collector + server with the plugin, both fire runs under ordinary traffic, everything stopped."""
     from eagle_tap.demo.traffic import ServingTraffic
-    from eagle_tap.sglang_server import ServerConfig, SGLangServer, free_port
-    from eagle_tap.tiny_model import TINY_MODEL_DIR
+    from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer, free_port
+    from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
     token = secrets.token_hex(16)
     collector_port = free_port()
@@ -211,7 +211,7 @@ def capture(config: Config, out: Path, train_data: Path, heldout_data: Path) -> 
         started.update((process.pid, process) for process in descendants())
 
     with contextlib.ExitStack() as stack:
-        collector = _start_collector(stack, out / "captures" / "train", collector_port, token)
+        collector = start_collector(stack, out / "captures" / "train", collector_port, token)
         print(f"collector {collector.url} -> {collector.data_dir}", flush=True)
         print("starting SGLang (CPU) with the capture plugin ...", flush=True)
         server = SGLangServer(ServerConfig(model_path=TINY_MODEL_DIR, env=plugin_env, log_path=logs / "sglang.log"))
@@ -225,16 +225,16 @@ def capture(config: Config, out: Path, train_data: Path, heldout_data: Path) -> 
             if name == "heldout":  # a fresh data directory on the same port: the held-out set gets its own shards
                 result["serving"] = traffic.stop()  # no live record may reach the held-out shards
                 _wait_for_live_records(collector, token, out / "spool", result["fire"]["train"]["num_records"])
-                result["collector"]["train"] = _stop_collector(collector, token)
+                result["collector"]["train"] = stop_collector(collector, token)
                 result["live"] = {**_live_records(collector.data_dir), "sample_rate": config.live_sample_rate}
-                collector = _start_collector(stack, out / "captures" / "heldout", collector_port, token)
+                collector = start_collector(stack, out / "captures" / "heldout", collector_port, token)
                 remember()
                 print(f"collector restarted -> {collector.data_dir}", flush=True)
             temperature = config.heldout_temperature if name == "heldout" else config.train_temperature
             print(f"firing the {name} conversations (--regenerate, temperature {temperature}) ...", flush=True)
-            result["fire"][name] = _fire(config, server.url, collector.url, token, data_path,
-                                         out / "runs" / f"fire-{name}", temperature)
-        result["collector"]["heldout"] = _stop_collector(collector, token)
+            result["fire"][name] = fire(config, server.url, collector.url, token, data_path,
+                                        out / "runs" / f"fire-{name}", temperature)
+        result["collector"]["heldout"] = stop_collector(collector, token)
         result["plugin"] = _plugin_stats(out / "spool")
     result["processes_started"] = len(started)
     result["processes_left"] = still_running(list(started.values()))
@@ -242,10 +242,10 @@ def capture(config: Config, out: Path, train_data: Path, heldout_data: Path) -> 
     return result
 
 
-def _start_collector(stack: contextlib.ExitStack, data_dir: Path, port: int, token: str,
+def start_collector(stack: contextlib.ExitStack, data_dir: Path, port: int, token: str,
                      extra_args: tuple[str, ...] = ()):
     """A collector writing out_dir/captures/<name> (data_dir), logging to out_dir/logs, stopped by the stack."""
-    from eagle_tap.collector_process import CollectorProcess
+    from eagle_tap.testbed.collector_process import CollectorProcess
 
     # The token goes through the environment: a --token flag would show in the process list.
     collector = CollectorProcess(data_dir, port=port, env={"EAGLE_TAP_COLLECTOR_TOKEN": token}, extra_args=extra_args,
@@ -279,7 +279,7 @@ def _live_records(shard_dir: Path) -> dict[str, Any]:
     return {"num_records": len(live), "num_tokens": sum(entry.num_tokens for entry in live)}
 
 
-def _stop_collector(collector, token: str) -> dict[str, Any]:
+def stop_collector(collector, token: str) -> dict[str, Any]:
     """The collector's own totals, read just before it is stopped (SIGTERM seals its open shard)."""
     stats = collector.stats(token)
     collector.stop()
@@ -287,8 +287,9 @@ def _stop_collector(collector, token: str) -> dict[str, Any]:
                                         "compression_ratio", "num_duplicates", "num_rejects", "durability")}
 
 
-def _fire(config: Config, server_url: str, collector_url: str, token: str, data_path: Path, run_dir: Path,
-          temperature: float):
+def fire(config: Config, server_url: str, collector_url: str, token: str, data_path: Path, run_dir: Path,
+         temperature: float):
+    """`eagle-tap fire` of one conversation file at the server, every record confirmed by the collector."""
     from client.endpoints import HttpConfig
     from client.fire import FireConfig, run_fire
     from client.regenerate import SamplingConfig
@@ -333,7 +334,7 @@ def train_draft(config: Config, out: Path) -> dict[str, Any]:
     from trainer.train import train
     from trainer.vocab import build_vocab_mapping, coverage_report
 
-    from eagle_tap.tiny_model import TINY_MODEL_DIR
+    from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
     shards = out / "captures" / "train"
     mapping, counts = build_vocab_mapping(target_dir=TINY_MODEL_DIR, draft_vocab_size=config.draft_vocab_size,
@@ -389,9 +390,9 @@ def serve_drafts(config: Config, out: Path, evaluation: dict[str, Any]) -> dict[
     the same records (captured greedily too, so both score the same text)."""
     from trainer.export import export
 
-    from eagle_tap.served.draft import SpeculativeConfig
-    from eagle_tap.served.evaluate import generate_with_and_without, plot_served, prompts_from_shards, summarize
-    from eagle_tap.tiny_model import TINY_MODEL_DIR
+    from eagle_tap.serve.draft import SpeculativeConfig
+    from eagle_tap.serve.evaluate import generate_with_and_without, plot_served, prompts_from_shards, summarize
+    from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
     drafts = {"draft": out / "draft", "untrained": export(out / "runs" / "train", out / "draft-untrained",
                                                           untrained=True)}

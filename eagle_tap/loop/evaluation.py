@@ -54,7 +54,7 @@ def probe_prompts(loop: LoopState) -> list:
     if not config.regression_shards or config.probe_records <= 0:
         return []
     if loop.probe_prompt_cache is None:
-        from eagle_tap.served.evaluate import prompts_from_shards
+        from eagle_tap.serve.evaluate import prompts_from_shards
 
         loop.probe_prompt_cache, _ = prompts_from_shards(Path(config.regression_shards),
                                                          max_prompts=config.probe_records)

@@ -1,6 +1,6 @@
 """Replicas of the closed loop: what one serves, putting a registry version into it, checking it, and the probe.
 
-A swap goes through `eagle_tap.served.swap.swap_draft` (SGLang's own weight-update session, selector draft,
+A swap goes through `eagle_tap.serve.swap.swap_draft` (SGLang's own weight-update session, selector draft,
 tensors as shared-memory handles: the loop runs on the replica's host; see docs/loop.md for why this path and
 not the plugin). Around it:
 - before any replica is touched: the version's files match the sha256 its version.json recorded, and the
@@ -27,9 +27,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle_tap.served.draft import DraftMismatchError
-from eagle_tap.served.evaluate import Prompt
-from eagle_tap.served.swap import SwapResult, swap_draft, weights_checksum
+from eagle_tap.serve.draft import DraftMismatchError
+from eagle_tap.serve.evaluate import Prompt
+from eagle_tap.serve.swap import SwapResult, swap_draft
+from eagle_tap.serve.http_api import weights_checksum
 from trainer.draft_fit import check_draft_fits, in_place_of
 
 
@@ -111,7 +112,7 @@ def probe_acceptance(url: str, prompts: Sequence[Prompt], max_new_tokens: int, t
     """Served acceptance length on the probe prompts (greedy): SGLang's pooled (accepted + steps) / steps."""
     import httpx
 
-    from eagle_tap.served.evaluate import generate
+    from eagle_tap.serve.evaluate import generate
 
     verify_steps = accepted = 0
     with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0)) as client:

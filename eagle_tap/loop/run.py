@@ -38,7 +38,7 @@ from eagle_tap.loop import replicas as rep
 from eagle_tap.loop.config import LoopConfig
 from eagle_tap.loop.registry import Registry, RegistryError
 from eagle_tap.loop.state import LoopState
-from eagle_tap.served.swap import swap_draft
+from eagle_tap.serve.swap import swap_draft
 
 __all__ = ["Loop", "LoopConfig", "recorded_checksum"]
 

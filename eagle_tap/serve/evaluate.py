@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 from capture_format.tables import text_table
-from eagle_tap.served.draft import SpeculativeConfig
+from eagle_tap.serve.draft import SpeculativeConfig
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -242,7 +242,7 @@ def serving(target: Path, speculative: SpeculativeConfig | None, *, url: str | N
     if url:
         yield url.rstrip("/")
         return
-    from eagle_tap.sglang_server import ServerConfig, SGLangServer
+    from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer
 
     server = SGLangServer(ServerConfig(model_path=target, device=device, speculative=speculative,
                                        extra_args=tuple(server_args), log_path=log_path,

@@ -1,6 +1,6 @@
 """Build the tiny Llama target model from text already on this machine.
 
-    python -m eagle_tap.tiny_model.build --out eagle_tap/tiny_model/tiny-llama
+    python -m eagle_tap.testbed.tiny_model.build --out eagle_tap/testbed/tiny_model/tiny-llama
 
 What must hold:
 - Deterministic: sorted file lists, fixed seeds, fixed thread count, deterministic torch kernels.
@@ -532,7 +532,7 @@ def build(out_dir: Path, config: Config) -> dict:
     generated = samples(model, tokenizer)
 
     info = {
-        "build_command": f"python -m eagle_tap.tiny_model.build --out {out_dir}",
+        "build_command": f"python -m eagle_tap.testbed.tiny_model.build --out {out_dir}",
         "config": asdict(config),
         "data": corpus.summary | {
             "num_train_tokens": num_train_tokens,

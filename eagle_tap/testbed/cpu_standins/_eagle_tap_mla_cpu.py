@@ -19,7 +19,7 @@ SGLang's scheduler process, so the handler is registered right after that module
 once, if it already was), through `_eagle_tap_import_hooks.after_import`.
 
 Where it runs. It lives beside the `sgl_kernel` stand-in, whose package imports it; that folder is put on
-`PYTHONPATH` only by eagle-tap's CPU launcher (`eagle_tap.sglang_server`, `device="cpu"`, no real
+`PYTHONPATH` only by eagle-tap's CPU launcher (`eagle_tap.serve.sglang_server`, `device="cpu"`, no real
 `sgl_kernel`). It additionally does nothing unless `SGLANG_USE_CPU_ENGINE=1`, so a GPU machine, which has
 the real `sgl_kernel` and its own MLA backends, never loads or applies it.
 """

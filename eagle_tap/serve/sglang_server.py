@@ -15,7 +15,7 @@ which the stand-in never registers, so every layer stays on its native torch pat
 nothing is added: a plain `pip install sglang==0.5.23` brings the real packages.
 
 With a draft (`ServerConfig.speculative`) the server runs EAGLE-3 chain drafting; the draft is checked
-against the model first (`eagle_tap.served.draft`), so a mismatch is refused before any process starts.
+against the model first (`eagle_tap.serve.draft`), so a mismatch is refused before any process starts.
 On a CPU the stand-ins then also provide torch versions of the `sgl_kernel` ops that path calls.
 """
 
@@ -36,10 +36,10 @@ from pathlib import Path
 
 import psutil
 
-from eagle_tap.served.draft import SpeculativeConfig
+from eagle_tap.serve.draft import SpeculativeConfig
 from trainer.draft_fit import check_draft_fits
 
-CPU_STANDINS_DIR = Path(__file__).resolve().parent / "cpu_standins"
+CPU_STANDINS_DIR = Path(__file__).resolve().parents[1] / "testbed" / "cpu_standins"
 
 # Flags that keep SGLang on paths that run on a CPU without any compiled kernel (verified with 0.5.23).
 CPU_SERVER_ARGS: tuple[str, ...] = (
@@ -121,15 +121,6 @@ def cpu_thread_binding(num_ranks: int, cpu_ids: list[int]) -> str:
     groups = [cpu_ids[rank * per_rank : (rank + 1) * per_rank] for rank in range(num_ranks)]
     return "|".join(f"{group[0]}-{group[-1]}" if group == list(range(group[0], group[-1] + 1)) and len(group) > 1
                     else ",".join(map(str, group)) for group in groups)
-
-
-def post_json(url: str, payload: dict, timeout_s: float = 120) -> dict:
-    """POST payload as JSON (e.g. to a server's /generate) and return the JSON answer."""
-    import json
-
-    request = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        return json.loads(response.read())
 
 
 def free_port(host: str = "127.0.0.1") -> int:

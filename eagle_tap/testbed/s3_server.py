@@ -15,7 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from eagle_tap.sglang_server import free_port
+from eagle_tap.serve.sglang_server import free_port
 
 __all__ = ["S3Server", "s3_environment"]
 

@@ -5,7 +5,7 @@ CPU where every layer takes its native torch path. These stand-ins make those im
 nothing more: every attribute is a placeholder that raises `StandInCalledError` the moment anything
 calls it, so a code path that really needs a kernel fails loudly instead of computing something wrong.
 
-This folder is put on `PYTHONPATH` by `eagle_tap.sglang_server` only when the real packages are
+This folder is put on `PYTHONPATH` by `eagle_tap.serve.sglang_server` only when the real packages are
 missing (CPU machines); a GPU machine with real `sgl_kernel` never sees it.
 """
 

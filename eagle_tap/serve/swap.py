@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle_tap.sglang_server import post_json
+from eagle_tap.serve.http_api import post_json, weights_checksum
 from trainer.draft_fit import check_draft_fits, in_place_of
 
 NEVER_SENT = ("d2t", "t2d")
@@ -59,15 +59,6 @@ def draft_tensors(draft_dir: str | Path) -> list[tuple[str, Any]]:
     tensors = load_file(Path(draft_dir) / "model.safetensors")
     return [(name, tensor) for name, tensor in sorted(tensors.items())
             if name not in NEVER_SENT and "embed_tokens" not in name]
-
-
-def weights_checksum(url: str, selector: str) -> str:
-    """SGLang's checksum of a replica's target or draft weights."""
-    answer = post_json(f"{url}/weights_checker", {"action": "checksum", "selector": selector})
-    checksum = answer.get("per_engine_checksum") if isinstance(answer, dict) else None
-    if not checksum:
-        raise RuntimeError(f"{url}/weights_checker gave no checksum for the {selector}: {str(answer)[:200]}")
-    return str(checksum)
 
 
 def _serialize(named: list[tuple[str, Any]]) -> str:

@@ -9,7 +9,7 @@ __all__ = ["add_commands"]
 
 
 def _eval_served(args: argparse.Namespace) -> int:
-    from eagle_tap.served.evaluate import Config, evaluate_served, format_report
+    from eagle_tap.serve.evaluate import Config, evaluate_served, format_report
 
     config = Config(target=Path(args.target), draft=Path(args.draft), out_dir=Path(args.out),
                     data=Path(args.data) if args.data else None, shards=Path(args.shards) if args.shards else None,

@@ -1,6 +1,6 @@
 """Tiny random-weight targets of the architectures eagle-tap captures from, built on demand.
 
-    python -m eagle_tap.tiny_model.random --arch deepseek_v3 --out DIR
+    python -m eagle_tap.testbed.tiny_model.random --arch deepseek_v3 --out DIR
 
 The committed tiny Llama is trained; these are not. They exist so that capture can be checked,
 through a real SGLang server, against HF transformers on the architectures whose SGLang classes
@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from eagle_tap.tiny_model import TINY_MODEL_DIR
+from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
 ARCHITECTURES = ("llama", "qwen3", "deepseek_v3")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")

@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from eagle_tap.sglang_server import free_port
+from eagle_tap.serve.sglang_server import free_port
 
 
 class CollectorProcess:
