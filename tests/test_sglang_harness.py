@@ -110,6 +110,19 @@ def test_cpu_environment_adds_engine_and_stand_ins_only_for_cpu(tmp_path):
     assert "torch_native" not in gpu_command and gpu_command[gpu_command.index("--device") + 1] == "cuda"
 
 
+def test_each_cpu_capability_gets_its_own_inductor_cache_unless_one_is_set(tmp_path, monkeypatch):
+    """torch's inductor cache keys miss ATEN_CPU_CAPABILITY: a kernel built under avx2 breaks a server under default."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    caches = set()
+    for capability in ("avx2", "default"):
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+        caches.add(sglang_server.server_environment(ServerConfig(model_path=tmp_path))["TORCHINDUCTOR_CACHE_DIR"])
+    assert len(caches) == 2 and all(cache.endswith(("_avx2", "_default")) for cache in caches)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert sglang_server.server_environment(ServerConfig(model_path=tmp_path))["TORCHINDUCTOR_CACHE_DIR"] == str(
+        tmp_path / "mine")
+
+
 @pytest.mark.parametrize("statement", [
     "import sgl_kernel; sgl_kernel.silu_and_mul(1, 2)",
     "from sgl_kernel.kvcacheio import transfer_embedding_ranges_direct as f; f()",

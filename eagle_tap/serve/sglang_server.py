@@ -156,8 +156,20 @@ def server_environment(config: ServerConfig) -> dict[str, str]:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CPU_STANDINS_DIR), env.get("PYTHONPATH")]))
         if config.num_ranks > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in env:
             env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(config.num_ranks, sorted(os.sched_getaffinity(0)))
+        if "TORCHINDUCTOR_CACHE_DIR" not in env and env.get("ATEN_CPU_CAPABILITY"):
+            env["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir(env["ATEN_CPU_CAPABILITY"])
     env.update(config.env)
     return env
+
+
+def inductor_cache_dir(capability: str) -> str:
+    """An inductor cache of its own for each ATEN_CPU_CAPABILITY. torch 2.13's cache keys do not include it: a
+    kernel compiled for avx2 and then found under `default` fails to build against the precompiled header
+    (`'at::vec' has not been declared`; SGLang's DeepSeek-V3 top-k is torch.compiled on CPU)."""
+    import getpass
+    import tempfile
+
+    return str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}_{capability}")
 
 
 def server_command(config: ServerConfig, port: int) -> list[str]:
