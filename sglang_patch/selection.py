@@ -190,6 +190,11 @@ class Selector:
             # n samples of one request would share the tag's record id: all but one would be lost.
             self._stats.drop("generate_tag_with_n_samples")
             return None
+        if tag is not None and not token_ids_only:
+            # Images or given embeddings: the draft is fed the target's input embeddings at those positions,
+            # which records do not hold yet; a record of the placeholder ids would train it on other inputs.
+            self._stats.drop("tagged_not_token_ids")
+            return None
         if tag is not None:
             if not is_sampled(tag.record_id, self._sample_rate):
                 self._stats.add("sampled_out")

@@ -303,6 +303,14 @@ def test_live_sampling_is_deterministic_skips_health_checks_and_opt_outs_and_sal
     snapshot = stats.snapshot()
     assert snapshot["live_opted_out"] == 1 and snapshot["live_skipped_not_token_ids"] == 1
     assert snapshot["live_selected"] == len(chosen)
+    # A tagged request with an image or given embeddings is not captured either (records hold no input
+    # embeddings yet), and the drop is counted by name.
+    tagged = {"eagle_tap": {"record_id": "r-image", "spans": [[0, 3]]}}
+    image = SimpleNamespace(rid="f" * 32, sampling_params=SimpleNamespace(custom_params=tagged), cache_salt=None,
+                            input_embeds=None, mm_inputs=SimpleNamespace(mm_items=[object()]))
+    selector.on_request(image)
+    assert image.cache_salt is None and selector.take(image.rid) is None
+    assert stats.snapshot()["dropped"]["tagged_not_token_ids"] == 1
 
 
 def test_live_record_ids_are_valid_for_any_request_id():
