@@ -1,8 +1,10 @@
 """Captures equal HF transformers' states on every architecture family eagle-tap supports, through the real
 SGLang server (CPU), plugin and collector.
 
-Per architecture (the committed tiny Llama, a random Qwen3, a random DeepSeek-V3 with MLA and MoE), two
-servers with the plugin shipping to one collector:
+Per architecture (the committed tiny Llama, a random Qwen3, a random DeepSeek-V3 with MLA and MoE, and a
+random Kimi-K2.5: SGLang's `KimiK25ForConditionalGeneration`, a MoonViT tower and projector around the
+DeepSeek-V3 language model, with its processor as remote code; its reference is transformers' DeepSeek-V3
+on the `language_model.` weights), two servers with the plugin shipping to one collector:
 - `fp32`: `--dtype float32`, the default capture layers the plugin picks; every aux slot and the final
   state within relative error 1e-4 of HF's fp32 forward (which also checks that fp32 serving captures
   at all: its states need a codec other than bf16-split);
@@ -45,6 +47,8 @@ class Case:
     custom_env: tuple[tuple[str, str], ...] = ()
     custom_layers: tuple[int, ...]
     """The capture layers the custom server's setting means for this architecture's SGLang class."""
+    server_args: tuple[str, ...] = ()
+    """Flags both servers need (Kimi-K2.5's processor is remote code of its checkpoint)."""
 
 
 def _hand_ids(*ids: int) -> tuple[str, ...]:
@@ -58,7 +62,31 @@ CASES = [
     Case(arch="qwen3", default_layers=(3, 5, 6), custom_args=_hand_ids(0, 2, 6), custom_layers=(1, 3, 7)),
     # Ids 3 5 6 (the default) are taken as they are; a first id of 1 shifts every id by one.
     Case(arch="deepseek_v3", default_layers=(3, 5, 6), custom_args=_hand_ids(1, 3, 5), custom_layers=(2, 4, 6)),
+    # The wrapper hands the ids to its language model: DeepSeek's rule.
+    Case(arch="kimi_k25", default_layers=(3, 5, 6), custom_args=_hand_ids(1, 3, 5), custom_layers=(2, 4, 6),
+         server_args=("--trust-remote-code",)),
 ]
+
+
+def reference_model(arch: str, model_dir: Path) -> torch.nn.Module:
+    """transformers' fp32 model of the target; for Kimi-K2.5, DeepSeek-V3 built from `text_config` and loaded
+    with the `language_model.` weights (transformers has no Kimi-K2.5 class; the tower plays no part in text)."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    if arch != "kimi_k25":
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    import json
+
+    from safetensors.torch import load_file
+
+    text_config = json.loads((model_dir / "config.json").read_text())["text_config"]
+    text_config.pop("model_type", None)
+    model = AutoModelForCausalLM.from_config(DeepseekV3Config(**text_config), dtype=torch.float32)
+    weights = {name.removeprefix("language_model."): tensor.float()
+               for name, tensor in load_file(model_dir / "model.safetensors").items()
+               if name.startswith("language_model.")}
+    model.load_state_dict(weights, strict=True)
+    return model.eval()
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -82,18 +110,16 @@ def _start(model_dir, tmp_path_factory, collector, *, name: str, args=(), env=()
 @pytest.fixture(scope="module", params=CASES, ids=lambda case: case.arch)
 def target(request, random_target, collector, tmp_path_factory):
     """One architecture's two capture servers; stopped before the next architecture's start."""
-    from transformers import AutoModelForCausalLM
-
     case: Case = request.param
     model_dir = TINY_MODEL_DIR if case.arch == "llama" else random_target(case.arch)
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf_model = reference_model(case.arch, model_dir)
     servers = []
     try:
         fp32, fp32_spool = _start(model_dir, tmp_path_factory, collector, name=f"{case.arch}-fp32",
-                                  args=("--dtype", "float32"))
+                                  args=("--dtype", "float32", *case.server_args))
         servers.append(fp32)
         custom, _ = _start(model_dir, tmp_path_factory, collector, name=f"{case.arch}-custom",
-                           args=case.custom_args, env=case.custom_env)
+                           args=(*case.server_args, *case.custom_args), env=case.custom_env)
         servers.append(custom)
         yield Target(case=case, hf_model=hf_model, fp32=fp32, fp32_spool=fp32_spool, custom=custom)
     finally:
@@ -180,3 +206,13 @@ def test_concurrent_requests_of_different_lengths_split_into_their_own_records(t
     stats = wait_for(lambda: (s := read_stats(target.fp32_spool)).get("sent", 0) >= len(requests) + 1 and s, 30,
                      "the plugin's stats")
     assert stats["dropped"] == {}
+
+
+def test_fp32_greedy_answers_equal_transformers(target):
+    """What the server answers is what the reference model answers: the served class runs the same weights."""
+    input_ids = random_ids(3, 29)
+    served = generate(target.fp32, input_ids, max_new_tokens=12)["output_ids"]
+    with torch.no_grad():
+        reference = target.hf_model.generate(torch.tensor([input_ids]), max_new_tokens=12, do_sample=False,
+                                             eos_token_id=None, pad_token_id=2)[0, len(input_ids):].tolist()
+    assert served == reference, (target.case.arch, served, reference)
