@@ -20,6 +20,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import re
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -216,3 +218,32 @@ def test_fp32_greedy_answers_equal_transformers(target):
         reference = target.hf_model.generate(torch.tensor([input_ids]), max_new_tokens=12, do_sample=False,
                                              eos_token_id=None, pad_token_id=2)[0, len(input_ids):].tolist()
     assert served == reference, (target.case.arch, served, reference)
+
+
+def test_a_tagged_image_request_is_served_and_counted_not_captured(target, collector):
+    """Kimi-K2.5's tower runs on SGLang's CPU path; the plugin stores no record of the placeholder ids."""
+    if target.case.arch != "kimi_k25":
+        pytest.skip("only the Kimi-K2.5 target takes images")
+    import base64
+    import io
+
+    from PIL import Image
+
+    from capture_format.tag import CaptureTag
+    from eagle_tap.serve.http_api import post_json
+
+    png = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (56, 70, 3), dtype=np.uint8)).save(png, format="PNG")
+    tag = CaptureTag(record_id="kimi-image", sample_id="kimi-image", loss_spans=((0, 4),), metadata={})
+    answer = post_json(f"{target.fp32.url}/generate", {
+        "text": "<|user|>look<|media_pad|>here<|end|><|assistant|>",
+        "image_data": ["data:image/png;base64," + base64.b64encode(png.getvalue()).decode()],
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0, "custom_params": tag.to_custom_params()}})
+    assert answer["meta_info"]["image_tokens"] == 6  # a 56x70 image: 4x6 patches, 2x3 merged features
+    stats = wait_for(lambda: (s := read_stats(target.fp32_spool))["dropped"].get("tagged_not_token_ids") and s, 30,
+                     "the plugin's count of the tagged image request")
+    assert stats["dropped"]["tagged_not_token_ids"] == 1
+    generate(target.fp32, random_ids(4, 9), record_id="kimi-after-image")  # a later text record still lands
+    assert stored_record(collector, "kimi-after-image").token_ids.tolist() == random_ids(4, 9)
+    with pytest.raises(urllib.error.HTTPError, match="404"):  # and the image request left none
+        urllib.request.urlopen(f"{collector.url}/v1/records/kimi-image", timeout=10)
