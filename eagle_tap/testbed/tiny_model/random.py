@@ -41,12 +41,12 @@ from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 ARCHITECTURES = ("llama", "qwen3", "deepseek_v3", "kimi_k25")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
-# DeepSeek-V3's published rope settings (its config.json), which SGLang's CPU rope path requires.
 # Kimi-K2.5's image placeholder, one id per image feature row after the processor expands it.
 MEDIA_PLACEHOLDER = "<|media_pad|>"
 MEDIA_PLACEHOLDER_ID = 4096
 KIMI_TEXT_VOCAB = 4160  # the tokenizer's 4,097 ids, rounded up to a multiple of 64 as real checkpoints pad
 
+# DeepSeek-V3's published rope settings (its config.json), which SGLang's CPU rope path requires.
 DEEPSEEK_V3_YARN = {
     "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
     "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
@@ -84,7 +84,7 @@ def hf_config(config: Config):
                            architectures=["Qwen3ForCausalLM"])
     if config.arch in ("deepseek_v3", "kimi_k25"):
         if config.arch == "kimi_k25":
-            common.update(vocab_size=KIMI_TEXT_VOCAB, pad_token_id=2)
+            common["vocab_size"] = KIMI_TEXT_VOCAB
         common["max_position_embeddings"] = 163_840  # what yarn factor 40 over 4,096 positions gives
         return DeepseekV3Config(
             **common, num_key_value_heads=4, intermediate_size=384, moe_intermediate_size=64,
@@ -168,25 +168,19 @@ def kimi_k25_config(text_config) -> dict:
     }
 
 
-def write_kimi_k25(config: Config, staging: Path) -> None:
-    """The language model as `deepseek_v3` writes it, renamed under `language_model.`, plus the vision weights."""
+def write_kimi_k25(config: Config, language_model, staging: Path) -> None:
+    """The random DeepSeek-V3 renamed under `language_model.`, the vision weights, Kimi's config.json layout, the
+    placeholder added to the tokenizer already copied into `staging`, and the processor."""
     import json
 
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
 
-    text_config = hf_config(config)
-    torch.manual_seed(config.seed)
-    with torch.device("cpu"):
-        language_model = AutoModelForCausalLM.from_config(text_config, dtype=torch.float32)
     weights = {f"language_model.{name}": tensor for name, tensor in language_model.state_dict().items()}
     weights |= kimi_vision_weights(KIMI_VISION, torch.Generator().manual_seed(config.seed + 1), config.initializer_range)
     save_file({name: tensor.to(torch.bfloat16).contiguous() for name, tensor in weights.items()},
               staging / "model.safetensors", metadata={"format": "pt"})
-    (staging / "config.json").write_text(json.dumps(kimi_k25_config(text_config), indent=2) + "\n")
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(TINY_MODEL_DIR / name, staging / name)
+    (staging / "config.json").write_text(json.dumps(kimi_k25_config(language_model.config), indent=2) + "\n")
     tokenizer = json.loads((staging / "tokenizer.json").read_text())
     assert len(tokenizer["model"]["vocab"]) == MEDIA_PLACEHOLDER_ID, "the placeholder id must follow the vocabulary"
     tokenizer["added_tokens"].append({"id": MEDIA_PLACEHOLDER_ID, "content": MEDIA_PLACEHOLDER, "single_word": False,
@@ -215,15 +209,15 @@ def build(config: Config, out_dir: Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
+        torch.manual_seed(config.seed)
+        with torch.device("cpu"):
+            model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(TINY_MODEL_DIR / name, staging / name)
         if config.arch == "kimi_k25":
-            write_kimi_k25(config, staging)
+            write_kimi_k25(config, model, staging)
         else:
-            torch.manual_seed(config.seed)
-            with torch.device("cpu"):
-                model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
             model.to(torch.bfloat16).save_pretrained(staging)
-            for name in TOKENIZER_FILES:
-                shutil.copyfile(TINY_MODEL_DIR / name, staging / name)
         os.rename(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
