@@ -75,6 +75,36 @@ def test_cpu_server_greedy_equals_transformers_and_stops_without_leftovers(tiny_
     assert survivors == [], f"processes left after stop(): {survivors}"
 
 
+def test_a_start_error_names_the_first_signal_and_exception_lines_above_the_tail(tmp_path):
+    """A long traceback at a log's end hid why a CI server went down; the lines that name it come first."""
+    log = tmp_path / "server.log"
+    log.write_text("\n".join([
+        "[t] Ignore import error when loading sglang.srt.models.grok: no attribute",  # every CPU start prints these
+        "[t] SIGTERM received. signum=None frame=None. Draining requests and shutting down...",
+        "requests.exceptions.ReadTimeout: HTTPConnectionPool(host='127.0.0.1'): Read timed out.",
+        *[f"  frame {index}" for index in range(50)],
+    ]))
+    server = SGLangServer(ServerConfig(model_path=tmp_path, log_path=log))
+    lines = server.log_tail(num_lines=5).splitlines()
+    assert lines[:3] == ["first lines naming an error or a signal:",
+                         "[t] SIGTERM received. signum=None frame=None. Draining requests and shutting down...",
+                         "requests.exceptions.ReadTimeout: HTTPConnectionPool(host='127.0.0.1'): Read timed out."]
+    assert lines[-5:] == [f"  frame {index}" for index in range(45, 50)]
+    log.write_text("\n".join(f"line {index}" for index in range(10)))
+    assert server.log_tail(num_lines=3) == "line 7\nline 8\nline 9", "no cause, no header: the tail alone"
+
+
+def test_cpu_servers_skip_the_crash_dumps_that_cost_every_stop_5_s(tmp_path, monkeypatch):
+    for variable in ("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH"):
+        monkeypatch.delenv(variable, raising=False)
+    env = sglang_server.server_environment(ServerConfig(model_path=tmp_path))
+    assert env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
+    monkeypatch.setenv("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "1")
+    assert sglang_server.server_environment(ServerConfig(model_path=tmp_path))["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "1"
+    gpu_env = sglang_server.server_environment(ServerConfig(model_path=tmp_path, device="cuda"))
+    assert "SGLANG_CUDA_COREDUMP_BEFORE_CRASH" not in gpu_env, "a GPU server keeps SGLang's own diagnostics"
+
+
 def test_failed_start_reports_the_log_and_leaves_nothing(tmp_path):
     server = SGLangServer(ServerConfig(model_path=tmp_path / "no-such-model", log_path=tmp_path / "server.log",
                                        startup_timeout_s=120))

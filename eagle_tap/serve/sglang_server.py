@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -54,6 +55,14 @@ CPU_SERVER_ARGS: tuple[str, ...] = (
 # machine per server), so a few test servers at once would exhaust it. 131,072 tokens of the tiny
 # model's KV cache take about 0.25 GB.
 CPU_MAX_TOTAL_TOKENS = 131_072
+
+
+# What log_tail lifts from the start of a log: signals, crashed children and exception lines; not what every
+# CPU start prints (import errors of models it does not build, the settings dump, its own freeze_gc call
+# that often finds the port not yet open, the missing optional openai_harmony).
+LOG_CAUSE = re.compile(r"SIGTERM|SIGQUIT|SIGKILL|SIGINT|crashed|Killed"
+                       r"|^\w[\w.]*(Error|Exception|Timeout|Interrupt|Exit): ")
+LOG_NOISE = re.compile(r"Ignore import error|server_args=|freeze_gc|openai_harmony|Connection refused")
 
 
 class ServerStartError(RuntimeError):
@@ -158,6 +167,10 @@ def server_environment(config: ServerConfig) -> dict[str, str]:
             env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(config.num_ranks, sorted(os.sched_getaffinity(0)))
         if "TORCHINDUCTOR_CACHE_DIR" not in env and env.get("ATEN_CPU_CAPABILITY"):
             env["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir(env["ATEN_CPU_CAPABILITY"])
+        # When a child exits, SGLang sleeps 5 s "to let GPU activity settle" before a py-spy and CUDA core
+        # dump; stop() ends the children, so every CPU stop paid those 5 s for dumps a CPU has no use for.
+        for variable in ("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH"):
+            env.setdefault(variable, "0")
     env.update(config.env)
     return env
 
@@ -253,9 +266,17 @@ class SGLangServer:
         )
 
     def log_tail(self, num_lines: int = 40) -> str:
+        """The log's last `num_lines` lines, after the first lines that name an error or a signal: a long
+        traceback at the end would otherwise hide why the server went down."""
         if self.log_path is None or not self.log_path.exists():
             return "(no log)"
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        tail = lines[-num_lines:]
+        causes = [line[:300] for line in lines[:-num_lines]
+                  if LOG_CAUSE.search(line) and not LOG_NOISE.search(line)][:12]
+        if not causes:
+            return "\n".join(tail)
+        return "\n".join(["first lines naming an error or a signal:", *causes, "...", "the log's end:", *tail])
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop the server and every process it started; safe to call twice."""
