@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -73,6 +74,16 @@ def test_cpu_server_greedy_equals_transformers_and_stops_without_leftovers(tiny_
     assert server._process is None
     survivors = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert survivors == [], f"processes left after stop(): {survivors}"
+
+
+def test_free_ports_stay_out_of_the_ephemeral_range_and_are_not_handed_out_twice():
+    """A bind(0) port could be taken by any port-0 socket before SGLang bound it ~30 s later (a CI failure)."""
+    ephemeral_low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = [sglang_server.free_port() for _ in range(50)]
+    assert len(set(ports)) == 50 and all(port < ephemeral_low for port in ports)
+    assert not any(22000 <= port <= 30099 for port in ports), "SGLang picks its nccl port (and a few above) there"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports[-1]))  # nothing holds a port it hands out
 
 
 def test_a_start_error_names_the_first_signal_and_exception_lines_above_the_tail(tmp_path):

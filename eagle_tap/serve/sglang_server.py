@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import random
 import re
 import signal
 import socket
@@ -132,9 +133,34 @@ def cpu_thread_binding(num_ranks: int, cpu_ids: list[int]) -> str:
                     else ",".join(map(str, group)) for group in groups)
 
 
+# Where free_port() looks: around the ports SGLang binds for itself (its nccl port from 22000-29999 and a
+# few derived just above it) and below the kernel's ephemeral range (32768 and up by default).
+FREE_PORT_RANGES = ((10000, 21899), (30100, 32700))
+_handed_out: set[int] = set()  # ports this process gave out: SGLang binds its own ~30 s after the pick
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port nothing listens on now, kept out of the kernel's ephemeral range where it can.
+
+    A port from bind(0) is ephemeral: any socket bound to port 0 in between (gloo's listeners in SGLang's
+    scheduler, a client's connect) may get it before the server binds it some 30 s later. A CI server found
+    its HTTP port taken so: its warm-up call reached a listener that never answered and uvicorn exited
+    with code 3. A port below the ephemeral range is only ever taken by an explicit bind.
+    """
+    ephemeral_low = 32768
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [port for low, high in FREE_PORT_RANGES for port in range(low, min(high, ephemeral_low - 1) + 1)
+             if port not in _handed_out]
+    for port in random.sample(ports, min(64, len(ports))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # an unusual port range: let the OS pick
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
