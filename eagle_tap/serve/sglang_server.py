@@ -70,6 +70,10 @@ class ServerStartError(RuntimeError):
     """The SGLang server did not become healthy; the message holds the tail of its log."""
 
 
+class ServerExitedError(ServerStartError):
+    """The SGLang server exited before it ever answered /health_generate."""
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ServerConfig:
     """How to start one SGLang server."""
@@ -279,7 +283,7 @@ class SGLangServer:
         deadline = time.monotonic() + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if self._process is None or self._process.poll() is not None:
-                raise ServerStartError(f"SGLang exited with code {self._process.returncode}:\n{self.log_tail()}")
+                raise ServerExitedError(f"SGLang exited with code {self._process.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health_generate", timeout=30) as response:
                     if response.status == 200:
