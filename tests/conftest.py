@@ -9,6 +9,7 @@ A test's tier comes from its module: its name for e2e, what its source starts fo
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from eagle_tap.testbed.collector_process import CollectorProcess
-from eagle_tap.serve.sglang_server import ServerConfig, ServerExitedError, SGLangServer
+from eagle_tap.serve.sglang_server import (FREE_PORT_SHARE_VARIABLE, ServerConfig, ServerExitedError,
+                                           SGLangServer)
 
 
 def _cuda_available() -> bool:
@@ -43,7 +45,24 @@ def tier_of(path: Path) -> str:
     return _TIERS[path]
 
 
+HEAVIEST_MODULES = ("test_demo.py", "test_capture_parity.py", "test_spec_capture.py", "test_loop.py",
+                    "test_plugin_resilience.py", "test_tensor_parallel.py", "test_bench.py", "test_served_draft.py",
+                    "test_dp_attention.py", "test_live_capture.py", "test_sglang_harness.py", "test_long_capture.py")
+"""The modules that took longest on a 2-core machine (522 s down to 111 s), run first: `make test` hands whole
+modules to two workers in collection order, so a long one left for last would keep one worker busy alone."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and count:
+        # Workers start servers side by side: each picks ports from its own share (children inherit it).
+        os.environ[FREE_PORT_SHARE_VARIABLE] = f"{int(worker[2:]) % int(count)}/{count}"
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture parameters, which stays within modules
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: index for index, name in enumerate(HEAVIEST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a module is kept
     for item in items:
         tier = "integration" if "sglang" in item.keywords and tier_of(item.path) == "unit" else tier_of(item.path)
         item.add_marker(getattr(pytest.mark, tier))
@@ -82,30 +101,15 @@ def start_sglang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
     """Factory: `start_sglang(model_path, extra_args=(...), env={...})` -> a healthy server, stopped after the module.
 
     Within a module, servers are shared per (model, args, env), since each start costs 15-40 s on 2 cores;
-    each holds about 2 GB, so none outlives its module. A server that exits before it ever served is started
-    once more, with a warning that names its log: a CI server once exited right after its warm-up
-    (most likely its port taken before it bound it; `free_port` now avoids that), which says nothing of the
-    test that asked for it. A second
-    failure fails the test.
+    each holds about 1.8 GB, so none outlives its module (`start_sglang_for_test` for one a single test uses).
+    A server that exits before it ever served is started once more (see `_start_server`).
     """
     servers: dict[tuple, SGLangServer] = {}
-
-    def start_once(model_path: Path, extra_args: tuple[str, ...], env: dict[str, str] | None) -> SGLangServer:
-        log_dir = tmp_path_factory.mktemp("sglang")
-        config = ServerConfig(model_path=model_path, extra_args=tuple(extra_args), env=dict(env or {}),
-                              log_path=log_dir / "server.log")
-        server = SGLangServer(config)
-        server.start()
-        return server
 
     def start(model_path: Path, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> SGLangServer:
         key = (str(model_path), tuple(extra_args), tuple(sorted((env or {}).items())))
         if key not in servers:
-            try:
-                servers[key] = start_once(model_path, extra_args, env)
-            except ServerExitedError as error:
-                warnings.warn(f"SGLang exited before serving {model_path.name}; starting it once more. {error}")
-                servers[key] = start_once(model_path, extra_args, env)
+            servers[key] = _start_server(tmp_path_factory, model_path, extra_args, env)
         return servers[key]
 
     try:
@@ -113,6 +117,43 @@ def start_sglang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
     finally:
         for server in servers.values():
             server.stop()
+
+
+@pytest.fixture
+def start_sglang_for_test(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., SGLangServer]]:
+    """`start_sglang`, for a server no other test shares: stopped when the test ends, so a module of such tests
+    holds one server's memory at a time, not one per test (two suite workers run side by side)."""
+    started: list[SGLangServer] = []
+
+    def start(model_path: Path, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> SGLangServer:
+        started.append(_start_server(tmp_path_factory, model_path, extra_args, env))
+        return started[-1]
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            server.stop()
+
+
+def _start_server(tmp_path_factory: pytest.TempPathFactory, model_path: Path, extra_args: tuple[str, ...],
+                  env: dict[str, str] | None) -> SGLangServer:
+    """A healthy server. One that exits before it ever served is started once more, with a warning that carries
+    its first error: a CI server once exited right after its warm-up (most likely its port taken before it
+    bound it; `free_port` now avoids that), which says nothing of the test that asked for it. A second failure
+    fails the test."""
+    def start_once() -> SGLangServer:
+        config = ServerConfig(model_path=model_path, extra_args=tuple(extra_args), env=dict(env or {}),
+                              log_path=tmp_path_factory.mktemp("sglang") / "server.log")
+        server = SGLangServer(config)
+        server.start()
+        return server
+
+    try:
+        return start_once()
+    except ServerExitedError as error:
+        warnings.warn(f"SGLang exited before serving {model_path.name}; starting it once more. {error}")
+        return start_once()
 
 
 @pytest.fixture

@@ -27,11 +27,11 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def test_collector_down_spools_then_delivers_in_order_when_back(start_sglang, start_collector, tiny_model_dir,
-                                                                tokenizer, tmp_path):
+def test_collector_down_spools_then_delivers_in_order_when_back(start_sglang_for_test, start_collector,
+                                                                tiny_model_dir, tokenizer, tmp_path):
     port = free_port()
     spool_dir = tmp_path / "spool"
-    server = start_sglang(tiny_model_dir, env=capture_env(f"http://127.0.0.1:{port}", spool_dir))
+    server = start_sglang_for_test(tiny_model_dir, env=capture_env(f"http://127.0.0.1:{port}", spool_dir))
     record_ids = []
     for index in range(6):
         ids = prompt_ids(tokenizer, 200 + index, 30 + 7 * index)
@@ -51,9 +51,10 @@ def test_collector_down_spools_then_delivers_in_order_when_back(start_sglang, st
     assert offsets == sorted(offsets), "spooled frames must reach the collector in capture order"
 
 
-def test_a_full_spool_drops_and_counts_while_serving_goes_on(start_sglang, tiny_model_dir, tokenizer, tmp_path):
+def test_a_full_spool_drops_and_counts_while_serving_goes_on(start_sglang_for_test, tiny_model_dir, tokenizer,
+                                                             tmp_path):
     spool_dir = tmp_path / "spool"
-    server = start_sglang(tiny_model_dir, env=capture_env(f"http://127.0.0.1:{free_port()}", spool_dir,
+    server = start_sglang_for_test(tiny_model_dir, env=capture_env(f"http://127.0.0.1:{free_port()}", spool_dir,
                                                           spool_max_bytes="20000"))
     for index in range(5):
         ids = prompt_ids(tokenizer, 300 + index, 60)
@@ -64,9 +65,9 @@ def test_a_full_spool_drops_and_counts_while_serving_goes_on(start_sglang, tiny_
 
 
 def test_capture_layers_the_model_does_not_have_leave_a_dormant_plugin_and_a_serving_server(
-        start_sglang, tiny_model_dir, tokenizer, tmp_path):
+        start_sglang_for_test, tiny_model_dir, tokenizer, tmp_path):
     spool_dir = tmp_path / "spool"
-    server = start_sglang(tiny_model_dir, env=capture_env(f"http://127.0.0.1:{free_port()}", spool_dir,
+    server = start_sglang_for_test(tiny_model_dir, env=capture_env(f"http://127.0.0.1:{free_port()}", spool_dir,
                                                           capture_layers="3,99"))
     ids = prompt_ids(tokenizer, 400, 20)
     assert len(generate(server, ids, record_id="never", max_new_tokens=2)["output_ids"]) == 2
@@ -76,12 +77,12 @@ def test_capture_layers_the_model_does_not_have_leave_a_dormant_plugin_and_a_ser
     assert stats["status"].startswith("dormant") and "captured" not in stats
 
 
-def test_a_spool_directory_others_can_write_leaves_capture_off_and_serving_on(start_sglang, tiny_model_dir,
+def test_a_spool_directory_others_can_write_leaves_capture_off_and_serving_on(start_sglang_for_test, tiny_model_dir,
                                                                                tokenizer, tmp_path):
     spool_dir = tmp_path / "shared"
     spool_dir.mkdir()
     os.chmod(spool_dir, 0o777)  # like a directory under /tmp that another local user made first
-    server = start_sglang(tiny_model_dir, env=capture_env(f"http://127.0.0.1:{free_port()}", spool_dir))
+    server = start_sglang_for_test(tiny_model_dir, env=capture_env(f"http://127.0.0.1:{free_port()}", spool_dir))
     ids = prompt_ids(tokenizer, 500, 20)
     assert len(generate(server, ids, record_id="not-here", max_new_tokens=2)["output_ids"]) == 2
     log = server.log_path.read_text(errors="replace")
@@ -89,10 +90,10 @@ def test_a_spool_directory_others_can_write_leaves_capture_off_and_serving_on(st
     assert list(spool_dir.iterdir()) == [], "nothing is written into a directory others control"
 
 
-def test_a_codec_that_cannot_store_fp32_states_is_refused_at_start_up(start_sglang, tiny_model_dir, tokenizer,
+def test_a_codec_that_cannot_store_fp32_states_is_refused_at_start_up(start_sglang_for_test, tiny_model_dir, tokenizer,
                                                                        tmp_path):
     spool_dir = tmp_path / "spool"
-    server = start_sglang(tiny_model_dir, extra_args=("--dtype", "float32"),
+    server = start_sglang_for_test(tiny_model_dir, extra_args=("--dtype", "float32"),
                           env=capture_env(f"http://127.0.0.1:{free_port()}", spool_dir, codec="bf16-split"))
     ids = prompt_ids(tokenizer, 410, 20)
     assert len(generate(server, ids, record_id="never-fp32", max_new_tokens=2)["output_ids"]) == 2
@@ -103,10 +104,10 @@ def test_a_codec_that_cannot_store_fp32_states_is_refused_at_start_up(start_sgla
     assert "eagle-tap capture disabled in this process: EAGLE_TAP_CODEC=bf16-split" in log and "2-byte elements" in log
 
 
-def test_deepseek_refuses_capture_layer_1_as_its_first_layer(start_sglang, random_target, tmp_path):
+def test_deepseek_refuses_capture_layer_1_as_its_first_layer(start_sglang_for_test, random_target, tmp_path):
     """DeepSeek's SGLang class shifts ids only when the first is 1, so the input of layer 1 cannot come first."""
     spool_dir = tmp_path / "spool"
-    server = start_sglang(random_target("deepseek_v3"),
+    server = start_sglang_for_test(random_target("deepseek_v3"),
                           env=capture_env(f"http://127.0.0.1:{free_port()}", spool_dir, capture_layers="1,3,5"))
     assert len(generate(server, list(range(10, 30)), record_id="never-layer-1", max_new_tokens=2)["output_ids"]) == 2
     log = server.log_path.read_text(errors="replace")

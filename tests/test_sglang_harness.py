@@ -86,6 +86,17 @@ def test_free_ports_stay_out_of_the_ephemeral_range_and_are_not_handed_out_twice
         sock.bind(("127.0.0.1", ports[-1]))  # nothing holds a port it hands out
 
 
+def test_a_port_share_keeps_side_by_side_processes_apart_and_a_bad_one_is_named(monkeypatch):
+    """The suite's workers start servers at the same time: each picks only from its own share of the ports."""
+    for index in range(3):
+        monkeypatch.setenv("EAGLE_TAP_FREE_PORT_SHARE", f"{index}/3")
+        assert all(sglang_server.free_port() % 3 == index for _ in range(20))
+    for bad in ("3/3", "one/2", "1"):
+        monkeypatch.setenv("EAGLE_TAP_FREE_PORT_SHARE", bad)
+        with pytest.raises(ValueError, match=f"EAGLE_TAP_FREE_PORT_SHARE='{bad}': expected INDEX/COUNT"):
+            sglang_server.free_port()
+
+
 def test_a_start_error_names_the_first_signal_and_exception_lines_above_the_tail(tmp_path):
     """A long traceback at a log's end hid why a CI server went down; the lines that name it come first."""
     log = tmp_path / "server.log"

@@ -141,6 +141,22 @@ def cpu_thread_binding(num_ranks: int, cpu_ids: list[int]) -> str:
 # few derived just above it) and below the kernel's ephemeral range (32768 and up by default).
 FREE_PORT_RANGES = ((10000, 21899), (30100, 32700))
 _handed_out: set[int] = set()  # ports this process gave out: SGLang binds its own ~30 s after the pick
+FREE_PORT_SHARE_VARIABLE = "EAGLE_TAP_FREE_PORT_SHARE"
+"""`INDEX/COUNT`: this process and its children pick only ports p with p % COUNT == INDEX, so processes that
+start servers side by side (the test suite's workers) never pick the same port between pick and bind."""
+
+
+def _port_share() -> tuple[int, int]:
+    value = os.environ.get(FREE_PORT_SHARE_VARIABLE, "")
+    if not value:
+        return 0, 1
+    try:
+        index, count = (int(part) for part in value.split("/"))
+    except ValueError:
+        index, count = -1, 0
+    if not 0 <= index < count:
+        raise ValueError(f"{FREE_PORT_SHARE_VARIABLE}={value!r}: expected INDEX/COUNT with 0 <= INDEX < COUNT")
+    return index, count
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -149,13 +165,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     A port from bind(0) is ephemeral: any socket bound to port 0 in between (gloo's listeners in SGLang's
     scheduler, a client's connect) may get it before the server binds it some 30 s later. A CI server found
     its HTTP port taken so: its warm-up call reached a listener that never answered and uvicorn exited
-    with code 3. A port below the ephemeral range is only ever taken by an explicit bind.
+    with code 3. A port below the ephemeral range is only ever taken by an explicit bind. Under
+    `EAGLE_TAP_FREE_PORT_SHARE=INDEX/COUNT` only this process's share of the ranges is used.
     """
     ephemeral_low = 32768
     with contextlib.suppress(OSError, ValueError, IndexError):
         ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    index, count = _port_share()
     ports = [port for low, high in FREE_PORT_RANGES for port in range(low, min(high, ephemeral_low - 1) + 1)
-             if port not in _handed_out]
+             if port % count == index and port not in _handed_out]
     for port in random.sample(ports, min(64, len(ports))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
