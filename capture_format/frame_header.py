@@ -2,11 +2,14 @@
 
 What must hold for a header `parse_header` accepts:
 - it is a JSON object (UTF-8, no duplicate keys, no NaN/Infinity) with exactly HEADER_KEYS, and
-  "states_prefix" where the record leaves its first tokens' states to a shared prefix;
+  "states_prefix" where the record leaves its first tokens' states to a shared prefix; a schema 2
+  header (a record with image positions) also has exactly "input_embed_spans" and "input_embeds_semantics",
+  a schema 1 header neither;
 - record fields obey the record rules (`records.py`) and the semantics labels are the known ones;
-- "tensors" lists token_ids, aux, final in this order, each with exactly TENSOR_KEYS, the dtype and
-  shape the record fields imply ([T], [S, K, H], [S, H], S = T - P or T - P - 1 with P the shared
-  prefix's tokens or 0, see `records.py`), raw_nbytes == product(shape) * itemsize,
+- "tensors" lists token_ids, aux, final (and input_embeds in schema 2) in this order, each with exactly
+  TENSOR_KEYS, the dtype and shape the record fields imply ([T], [S, K, H], [S, H], [E, H]; S = T - P or
+  T - P - 1 with P the shared prefix's tokens or 0, E the positions input_embed_spans cover, see
+  `records.py`), raw_nbytes == product(shape) * itemsize,
   a known codec that accepts the element size, and hex xxh3_64 checksums;
 - stored tensors tile the payload: offsets start at 0, each tensor starts where the previous ends,
   the last ends at payload_nbytes (no gaps, no overlap, nothing outside).
@@ -29,6 +32,8 @@ from capture_format.errors import CodecError, FrameError, check_json_type, descr
 __all__ = ["FrameInfo", "TensorInfo", "dump_header", "load_header", "parse_header"]
 
 TENSOR_NAMES = ("token_ids", "aux", "final")
+IMAGE_TENSOR_NAMES = (*TENSOR_NAMES, "input_embeds")
+"""The tensors of a schema 2 frame (a record with image positions)."""
 TOKEN_IDS_DTYPE_LABEL = "int32"
 HEADER_KEYS = frozenset(
     {
@@ -47,6 +52,8 @@ HEADER_KEYS = frozenset(
     }
 )
 OPTIONAL_HEADER_KEYS = frozenset({"states_prefix"})
+IMAGE_HEADER_KEYS = frozenset({"input_embed_spans", "input_embeds_semantics"})
+"""Exactly in a schema 2 header."""
 TENSOR_KEYS = frozenset(
     {"codec", "dtype", "name", "offset", "raw_nbytes", "raw_xxh3_64", "shape", "stored_nbytes", "stored_xxh3_64"}
 )
@@ -91,7 +98,7 @@ class FrameInfo:
     loss_spans: tuple[tuple[int, int], ...]
     metadata: dict[str, Any]
     tensors: tuple[TensorInfo, ...]
-    """token_ids, aux, final, in payload order."""
+    """token_ids, aux, final (and input_embeds in schema 2), in payload order."""
     header_nbytes: int
     frame_nbytes: int
     """Total length of the frame: prefix, header and payload."""
@@ -99,6 +106,12 @@ class FrameInfo:
     """Hex checksum of the prefix fields and header; identifies the frame's exact header."""
     states_prefix: records.StatesPrefix | None = None
     """The shared prefix holding the first tokens' states, or None (records.CaptureRecord.states_prefix)."""
+    input_embed_spans: tuple[tuple[int, int], ...] = ()
+    """The image positions (records.CaptureRecord.input_embed_spans); () in schema 1."""
+
+    @property
+    def schema_version(self) -> int:
+        return records.schema_version_for(bool(self.input_embed_spans))
 
     @property
     def num_tokens(self) -> int:
@@ -168,13 +181,14 @@ def _typed(mapping: dict[str, Any], key: str, expected: type, where: str) -> Any
     return check_json_type(mapping[key], expected, f"{where} field {key!r}", FrameError)
 
 
-def _parse_tensor(entry: object, name: str, dtype: str, expected_offset: int) -> TensorInfo:
+def _parse_tensor(entry: object, name: str, dtype: str, expected_offset: int,
+                  names: tuple[str, ...] = TENSOR_NAMES) -> TensorInfo:
     where = f"tensor {name!r}"
     if not isinstance(entry, dict):
         raise FrameError(f"{where} must be a JSON object; got {describe(entry)}")
     _check_keys(entry, TENSOR_KEYS, where)
     if _typed(entry, "name", str, where) != name:
-        raise FrameError(f"tensor {describe(entry['name'])} is out of place; tensors must be {list(TENSOR_NAMES)}")
+        raise FrameError(f"tensor {describe(entry['name'])} is out of place; tensors must be {list(names)}")
     if _typed(entry, "dtype", str, where) != dtype:
         raise FrameError(f"{where} has dtype {describe(entry['dtype'])}; expected {dtype!r}")
     shape = _typed(entry, "shape", list, where)
@@ -226,8 +240,15 @@ def parse_header(
     header: dict[str, Any], *, header_nbytes: int, payload_nbytes: int, frame_nbytes: int, header_xxh3_64: str
 ) -> FrameInfo:
     """Checks a loaded header against the rules above and returns what it describes."""
-    _check_keys(header, HEADER_KEYS, "frame header", OPTIONAL_HEADER_KEYS)
-    records.check_schema_version(header["schema_version"])
+    if "schema_version" not in header:
+        _check_keys(header, HEADER_KEYS, "frame header", OPTIONAL_HEADER_KEYS)  # names what is missing
+    version = records.check_schema_version(header["schema_version"])
+    image_keys = IMAGE_HEADER_KEYS if version == 2 else frozenset()
+    _check_keys(header, HEADER_KEYS | image_keys, f"frame header (schema {version})", OPTIONAL_HEADER_KEYS)
+    if version == 2 and header["input_embeds_semantics"] != records.INPUT_EMBEDS_SEMANTICS:
+        label = describe(header["input_embeds_semantics"])
+        raise FrameError(f"frame header field 'input_embeds_semantics' is {label}; this reader knows "
+                         f"{records.INPUT_EMBEDS_SEMANTICS!r}")
     for key, known in (("aux_semantics", records.AUX_SEMANTICS), ("final_semantics", records.FINAL_SEMANTICS)):
         if header[key] != known:
             raise FrameError(f"frame header field {key!r} is {describe(header[key])}; this reader knows {known!r}")
@@ -235,19 +256,20 @@ def parse_header(
     hidden_size = records.check_hidden_size(header["hidden_size"])
     dtype = records.check_dtype(header["dtype"])
     entries = _typed(header, "tensors", list, "frame header")
-    if len(entries) != len(TENSOR_NAMES):
-        raise FrameError(f"frame header lists {len(entries)} tensors; expected {list(TENSOR_NAMES)}")
+    names = IMAGE_TENSOR_NAMES if version == 2 else TENSOR_NAMES
+    if len(entries) != len(names):
+        raise FrameError(f"frame header lists {len(entries)} tensors; schema {version} expects {list(names)}")
     tensors = []
     offset = 0
-    for entry, name in zip(entries, TENSOR_NAMES):
-        tensor = _parse_tensor(entry, name, TOKEN_IDS_DTYPE_LABEL if name == "token_ids" else dtype, offset)
+    for entry, name in zip(entries, names):
+        tensor = _parse_tensor(entry, name, TOKEN_IDS_DTYPE_LABEL if name == "token_ids" else dtype, offset, names)
         tensors.append(tensor)
         offset += tensor.stored_nbytes
     if offset != payload_nbytes:
         raise FrameError(
             f"tensors cover {offset} stored bytes; the frame prefix declares a {payload_nbytes}-byte payload"
         )
-    token_ids, aux, final = tensors
+    token_ids, aux, final = tensors[:3]
     if len(token_ids.shape) != 1:
         raise FrameError(f"tensor 'token_ids' must be 1-D; got shape {describe(list(token_ids.shape))}")
     num_tokens = records.check_num_tokens(token_ids.shape[0])
@@ -262,6 +284,16 @@ def parse_header(
     num_states = held - 1 if last_has_no_state else held
     _check_shape(aux, (num_states, len(capture_layers), hidden_size))
     _check_shape(final, (num_states, hidden_size))
+    loss_spans = records.check_loss_spans(_typed(header, "loss_spans", list, "frame header"), num_tokens)
+    embed_spans: tuple[tuple[int, int], ...] = ()
+    if version == 2:
+        embed_spans = records.check_input_embed_spans(_typed(header, "input_embed_spans", list, "frame header"),
+                                                      num_tokens, loss_spans)
+        if not embed_spans:
+            raise FrameError("a schema 2 frame header marks no image position; a record without any is schema 1")
+        if states_prefix is not None:
+            raise FrameError("a schema 2 frame (image positions) cannot leave states to a shared prefix")
+        _check_shape(tensors[3], (sum(end - start for start, end in embed_spans), hidden_size))
     raw_nbytes = sum(tensor.raw_nbytes for tensor in tensors)
     if raw_nbytes > records.MAX_RECORD_RAW_NBYTES:
         raise FrameError(f"frame declares {raw_nbytes} raw bytes; at most {records.MAX_RECORD_RAW_NBYTES} are accepted")
@@ -272,11 +304,12 @@ def parse_header(
         capture_layers=capture_layers,
         hidden_size=hidden_size,
         dtype=dtype,
-        loss_spans=records.check_loss_spans(_typed(header, "loss_spans", list, "frame header"), num_tokens),
+        loss_spans=loss_spans,
         metadata=records.check_metadata(_typed(header, "metadata", dict, "frame header")),
         tensors=tuple(tensors),
         header_nbytes=header_nbytes,
         frame_nbytes=frame_nbytes,
         header_xxh3_64=header_xxh3_64,
         states_prefix=states_prefix,
+        input_embed_spans=embed_spans,
     )

@@ -10,7 +10,7 @@ Layout (integers little-endian):
     16      8     u64 payload_nbytes
     24      8     u64 header_xxh3_64: xxh3_64 of bytes 0..24 followed by the header bytes
     32      ...   header: compact JSON, sorted keys, UTF-8 (see frame_header.py)
-    ...     ...   payload: stored tensors token_ids, aux, final, back to back
+    ...     ...   payload: stored tensors token_ids, aux, final (and input_embeds in schema 2), back to back
 
 What must hold:
 - a frame's length is known from its first FRAME_PREFIX_NBYTES bytes (`read_frame_prefix`), and the
@@ -46,6 +46,7 @@ from capture_format.frame_header import (
 from capture_format.records import (
     AUX_SEMANTICS,
     FINAL_SEMANTICS,
+    INPUT_EMBEDS_SEMANTICS,
     MAX_RECORD_RAW_NBYTES,
     STATE_DTYPES,
     CaptureRecord,
@@ -103,7 +104,7 @@ def codec_for_states(dtype: str, codec: str | None = None) -> Codec:
 
 
 def encode_frame(record: CaptureRecord, codec: str | None = None) -> bytes:
-    """Returns record as one frame; codec applies to aux and final (default: DEFAULT_CODECS[dtype]).
+    """Returns record as one frame; codec applies to aux, final and input_embeds (default: DEFAULT_CODECS[dtype]).
 
     A tensor's raw_xxh3_64 hashes what decoding gives: the input itself, or for a lossy codec its
     decoded (dequantised) output, so a reader's decoded checksum protects what it trains on."""
@@ -112,6 +113,8 @@ def encode_frame(record: CaptureRecord, codec: str | None = None) -> bytes:
         ("token_ids", TOKEN_IDS_DTYPE_LABEL, record.token_ids, get_codec(TOKEN_IDS_CODEC)),
         ("aux", record.dtype, record.aux, state_codec),
         ("final", record.dtype, record.final, state_codec),
+        *((("input_embeds", record.dtype, record.input_embeds, state_codec),) if record.input_embeds is not None
+          else ()),
     )
     tensor_entries = []
     stored_parts = []
@@ -154,6 +157,8 @@ def encode_frame(record: CaptureRecord, codec: str | None = None) -> bytes:
             "metadata": record.metadata,
             "tensors": tensor_entries,
             **({"states_prefix": record.states_prefix.to_json()} if record.states_prefix else {}),
+            **({"input_embed_spans": [list(span) for span in record.input_embed_spans],
+                "input_embeds_semantics": INPUT_EMBEDS_SEMANTICS} if record.input_embed_spans else {}),
         }
     )
     # Record limits (ids, spans, metadata, sizes) keep every valid record within the frame limits.
@@ -325,4 +330,6 @@ def decode_frame(buf: bytes | bytearray | memoryview, *, verify: bool = True) ->
         final=arrays["final"],
         metadata=info.metadata,
         states_prefix=info.states_prefix,
+        input_embed_spans=info.input_embed_spans,
+        input_embeds=arrays.get("input_embeds"),
     )

@@ -10,8 +10,9 @@ record captured while generating has no state); K capture layers; H hidden size;
 
 What must hold:
 - a window equals read_record(entry)'s aux[start:end] and final[start:end], with the record's ids,
-  spans and metadata, and is handed out only after the checks read_record makes: the record's own frame
-  header and ids and every chain block's header are checked against their index entries
+  spans and metadata (a record with images: all its input embeddings, it is one frame), and is handed
+  out only after the checks read_record makes: the record's own frame header and ids and every chain
+  block's header are checked against their index entries
   (`token_ids.read_frame_start`), and the chain against the record (`prefix_blocks.walk_chain`);
 - only frames whose rows overlap [start, end) are decoded, each fully verified (stored and decoded
   checksums); the others are read up to the end of their header (the record's own frame: of its ids);
@@ -74,13 +75,21 @@ class RecordWindow:
     """[W, K, H]: aux[i] is the record's row start + i, the states of token start + i."""
     final: np.ndarray
     """[W, H]."""
+    input_embed_spans: tuple[tuple[int, int], ...] = ()
+    """The record's image positions (CaptureRecord.input_embed_spans), all of them."""
+    input_embeds: np.ndarray | None = None
+    """[E, H]: the record's input embeddings at every image position, whatever the window (they are few)."""
 
     def __post_init__(self) -> None:
         width, num_layers, hidden = self.end - self.start, len(self.capture_layers), self.hidden_size
         assert 0 <= self.start < self.end <= self.num_states <= self.token_ids.shape[0]
         assert self.aux.shape == (width, num_layers, hidden) and self.final.shape == (width, hidden)
-        for array in (self.token_ids, self.aux, self.final):
-            array.flags.writeable = False
+        num_embeds = sum(end - start for start, end in self.input_embed_spans)
+        assert (self.input_embeds is None) == (num_embeds == 0)
+        assert self.input_embeds is None or self.input_embeds.shape == (num_embeds, hidden)
+        for array in (self.token_ids, self.aux, self.final, self.input_embeds):
+            if array is not None:
+                array.flags.writeable = False
 
     @property
     def num_tokens(self) -> int:
@@ -137,7 +146,7 @@ def cut_window(walked: WalkedRecord, start: int, end: int, read_frame: Callable[
     overlapping = [index for index, frame_end in enumerate(ends)
                    if frame_end > start and (ends[index - 1] if index else 0) < end]
     width = end - start
-    aux = final = None
+    aux = final = input_embeds = None
     if len(overlapping) > 1:  # filled frame by frame: one decoded frame at a time besides the window
         aux = np.empty((width, len(info.capture_layers), info.hidden_size), STATE_DTYPES[info.dtype])  # [W, K, H]
         final = np.empty((width, info.hidden_size), STATE_DTYPES[info.dtype])  # [W, H]
@@ -146,6 +155,8 @@ def cut_window(walked: WalkedRecord, start: int, end: int, read_frame: Callable[
         frame = read_frame(index)
         assert frame.record_id == walked.links[index].record_id and frame.num_states == ends[index] - frame_start
         low, high = max(start, frame_start), min(end, ends[index])  # rows of the record in this frame
+        if index == len(ends) - 1:  # the record's own frame: a record with images has only that one
+            input_embeds = frame.input_embeds
         if aux is None:  # the window lies in one frame: a view of it, no copy
             aux = frame.aux[low - frame_start : high - frame_start]  # [W, K, H]
             final = frame.final[low - frame_start : high - frame_start]  # [W, H]
@@ -157,4 +168,5 @@ def cut_window(walked: WalkedRecord, start: int, end: int, read_frame: Callable[
     return RecordWindow(record_id=info.record_id, sample_id=info.sample_id, model_fingerprint=info.model_fingerprint,
                         capture_layers=info.capture_layers, hidden_size=info.hidden_size, dtype=info.dtype,
                         token_ids=walked.token_ids, loss_spans=info.loss_spans, metadata=info.metadata,
-                        num_states=ends[-1], start=start, end=end, aux=aux, final=final)
+                        num_states=ends[-1], start=start, end=end, aux=aux, final=final,
+                        input_embed_spans=info.input_embed_spans, input_embeds=input_embeds)

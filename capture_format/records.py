@@ -15,7 +15,14 @@ What must hold for every `CaptureRecord` (checked when it is built, so no invali
   (bfloat16 travels as uint16 bit patterns, see `bfloat16.py`), all little-endian;
 - loss_spans are sorted, non-overlapping, non-empty half-open [start, end) pairs within [0, T];
 - metadata is a JSON object of at most MAX_METADATA_NBYTES encoded; the record keeps its JSON
-  round trip, so what is decoded from a frame equals what was encoded.
+  round trip, so what is decoded from a frame equals what was encoded;
+- a record of a request with images (schema 2) marks the image positions with `input_embed_spans` (sorted,
+  non-overlapping, non-empty half-open pairs within [0, T], none overlapping a loss span: an image position
+  is never a loss position) and holds `input_embeds` [E, H], E the positions they cover, in the states'
+  dtype: row e is the target's input embedding (its vision tower and projector's output, what SGLang puts
+  there instead of the placeholder id's embedding) at the e-th image position, in order. Such a record
+  holds every token's states itself (no `states_prefix`): a prefix's key is made of token ids, which are
+  the same placeholder for any image. A record without image positions is schema 1, as before.
 Arrays are stored as read-only views: a record never changes after it is built.
 """
 
@@ -45,9 +52,11 @@ __all__ = [
     "MAX_RECORD_RAW_NBYTES",
     "MAX_SAMPLE_ID_CHARS",
     "MAX_TOKENS",
+    "INPUT_EMBEDS_SEMANTICS",
     "RECORD_ID_PATTERN",
     "SAMPLE_ID_PATTERN",
     "SCHEMA_VERSION",
+    "SCHEMA_VERSIONS",
     "STATE_DTYPES",
     "TOKEN_ID_DTYPE",
     "CaptureRecord",
@@ -55,7 +64,12 @@ __all__ = [
     "spans_from_mask",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""The newest version this code writes: 2 for a record with image positions, 1 for any other."""
+SCHEMA_VERSIONS = (1, 2)
+"""1: text only. 2: adds input_embed_spans and input_embeds (images). A reader rejects versions it does not know."""
+INPUT_EMBEDS_SEMANTICS = "target-input-embeddings"
+"""input_embeds[e] is the target's input to its first decoder layer at the e-th position of input_embed_spans."""
 AUX_SEMANTICS = "decoder-layer-input-residual"
 """aux[t, k] is the residual stream entering decoder layer capture_layers[k] at token t."""
 FINAL_SEMANTICS = "post-final-norm"
@@ -77,7 +91,7 @@ MAX_LOSS_SPANS = 65_536
 MAX_METADATA_NBYTES = 64 * 1024
 MAX_MODEL_FINGERPRINT_CHARS = 256
 MAX_RECORD_RAW_NBYTES = 8 << 30
-"""Bound on token_ids + aux + final bytes: a record must fit in one HTTP body and in memory."""
+"""Bound on token_ids + aux + final + input_embeds bytes: a record must fit in one HTTP body and in memory."""
 
 PREFIX_KEY_PATTERN = re.compile(r"[0-9a-f]{32}", re.ASCII)
 """A shared prefix's content key: 128 bits of BLAKE2b over the states' namespace and its token ids
@@ -128,9 +142,16 @@ def _as_sequence(value: object, name: str, expected: str) -> Sequence[Any]:
 
 
 def check_schema_version(value: object) -> int:
-    if type(value) is not int or value != SCHEMA_VERSION:
-        raise InvalidRecordError(f"schema_version {describe(value)} is not supported; accepted: {SCHEMA_VERSION}")
-    return SCHEMA_VERSION
+    if type(value) is not int or value not in SCHEMA_VERSIONS:
+        accepted = ", ".join(map(str, SCHEMA_VERSIONS))
+        raise InvalidRecordError(f"schema_version {describe(value)} is not supported; accepted: {accepted}")
+    return value
+
+
+def schema_version_for(has_input_embeds: bool) -> int:
+    """The version a record is written with: 2 only where it has image positions, so readers of version 1
+    read every text record and refuse, by its version, one they could not read whole."""
+    return 2 if has_input_embeds else 1
 
 
 def check_model_fingerprint(value: object) -> str:
@@ -216,19 +237,49 @@ def check_dtype(value: object) -> str:
 
 def check_loss_spans(value: object, num_tokens: int) -> tuple[tuple[int, int], ...]:
     """Returns the spans as a tuple of (start, end) pairs after checking order and bounds."""
-    pairs = _as_sequence(value, "loss_spans", "a sequence of (start, end) pairs")
+    return _check_spans(value, num_tokens, "loss")
+
+
+def check_input_embed_spans(value: object, num_tokens: int,
+                            loss_spans: tuple[tuple[int, int], ...] = ()) -> tuple[tuple[int, int], ...]:
+    """The image positions as (start, end) pairs: ordered and bounded like loss spans, and none in a loss span."""
+    spans = _check_spans(value, num_tokens, "input embed")
+    overlap = spans_overlap(spans, loss_spans)
+    if overlap is not None:
+        raise InvalidRecordError(f"input embed span {overlap[0]} overlaps loss span {overlap[1]}: an image "
+                                 "position is never a loss position")
+    return spans
+
+
+def spans_overlap(first: Sequence[tuple[int, int]],
+                  second: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """The first pair of overlapping spans, one from each sorted list, or None."""
+    i = j = 0
+    while i < len(first) and j < len(second):
+        if first[i][0] < second[j][1] and second[j][0] < first[i][1]:
+            return tuple(first[i]), tuple(second[j])
+        if first[i][1] <= second[j][1]:
+            i += 1
+        else:
+            j += 1
+    return None
+
+
+def _check_spans(value: object, num_tokens: int, kind: str) -> tuple[tuple[int, int], ...]:
+    pairs = _as_sequence(value, f"{kind.replace(' ', '_')}_spans", "a sequence of (start, end) pairs")
     if len(pairs) > MAX_LOSS_SPANS:
-        raise InvalidRecordError(f"loss_spans has {len(pairs)} spans; at most {MAX_LOSS_SPANS} are accepted")
+        raise InvalidRecordError(f"{kind.replace(' ', '_')}_spans has {len(pairs)} spans; at most {MAX_LOSS_SPANS} "
+                                 "are accepted")
     spans = []
     previous_end = 0
     for span in pairs:
         if not isinstance(span, Sequence) or isinstance(span, str) or len(span) != 2:
-            raise InvalidRecordError(f"loss span {describe(span)} must be a (start, end) pair")
-        start = _check_int(span[0], "loss span start", 0, num_tokens)
-        end = _check_int(span[1], "loss span end", 0, num_tokens)
+            raise InvalidRecordError(f"{kind} span {describe(span)} must be a (start, end) pair")
+        start = _check_int(span[0], f"{kind} span start", 0, num_tokens)
+        end = _check_int(span[1], f"{kind} span end", 0, num_tokens)
         if not previous_end <= start < end:
             raise InvalidRecordError(
-                f"loss span ({start}, {end}) must be non-empty, sorted and not overlap the previous span "
+                f"{kind} span ({start}, {end}) must be non-empty, sorted and not overlap the previous span "
                 f"(which ends at {previous_end}); spans are half-open within [0, {num_tokens}]"
             )
         spans.append((start, end))
@@ -291,15 +342,23 @@ class CaptureRecord:
     """[S, H]: last hidden state after the final norm (FINAL_SEMANTICS)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form JSON object (client, dataset, sampling settings)."""
-    schema_version: int = SCHEMA_VERSION
-    """Version of these rules; a reader rejects versions it does not know."""
+    schema_version: int | None = None
+    """Version of these rules (SCHEMA_VERSIONS); None: the one the record needs (`schema_version_for`). A
+    version given must be that one. A reader rejects versions it does not know."""
     states_prefix: StatesPrefix | None = None
     """None, or the shared prefix holding the states of the first tokens (then aux and final start at
     token states_prefix.num_tokens). Readers of shards resolve it: `prefix_blocks.resolve_prefix`."""
+    input_embed_spans: tuple[tuple[int, int], ...] = ()
+    """Half-open token ranges of the image positions, where the target's input is not its embedding of the
+    token id (the ids there are the image placeholder, as the server expanded it); () for a text record."""
+    input_embeds: np.ndarray | None = None
+    """[E, H] (INPUT_EMBEDS_SEMANTICS): the target's input embeddings at the image positions, in order, E their
+    number; None exactly when there are none."""
 
     def __post_init__(self) -> None:
         set_field = object.__setattr__  # frozen: assignments inside __post_init__ go through object
-        set_field(self, "schema_version", check_schema_version(self.schema_version))
+        if self.schema_version is not None:
+            check_schema_version(self.schema_version)
         set_field(self, "record_id", check_record_id(self.record_id))
         set_field(self, "sample_id", check_sample_id(self.sample_id))
         set_field(self, "model_fingerprint", check_model_fingerprint(self.model_fingerprint))
@@ -320,14 +379,40 @@ class CaptureRecord:
                                       else None, num_tokens, states_prefix.num_tokens if states_prefix else 0)
         aux = _check_array(self.aux, "aux", state_dtype, (num_states, len(layers), hidden_size), hint)
         final = _check_array(self.final, "final", state_dtype, (num_states, hidden_size), hint)
-        raw_nbytes = token_ids.nbytes + aux.nbytes + final.nbytes
+        loss_spans = check_loss_spans(self.loss_spans, num_tokens)
+        embed_spans = check_input_embed_spans(self.input_embed_spans, num_tokens, loss_spans)
+        input_embeds = self._checked_input_embeds(embed_spans, state_dtype, hidden_size, hint)
+        version = schema_version_for(input_embeds is not None)
+        if self.schema_version not in (None, version):
+            kind = "with" if input_embeds is not None else "without"
+            raise InvalidRecordError(f"schema_version {self.schema_version} does not fit this record: one {kind} "
+                                     f"image positions is {version}")
+        if input_embeds is not None and states_prefix is not None:
+            raise InvalidRecordError("a record with image positions holds every token's states itself (no "
+                                     "states_prefix): a prefix key over token ids cannot tell two images apart")
+        embeds_nbytes = 0 if input_embeds is None else input_embeds.nbytes
+        raw_nbytes = token_ids.nbytes + aux.nbytes + final.nbytes + embeds_nbytes
         if raw_nbytes > MAX_RECORD_RAW_NBYTES:
             raise InvalidRecordError(f"record holds {raw_nbytes} bytes; at most {MAX_RECORD_RAW_NBYTES} are accepted")
+        set_field(self, "schema_version", version)
         set_field(self, "token_ids", token_ids)
         set_field(self, "aux", aux)
         set_field(self, "final", final)
-        set_field(self, "loss_spans", check_loss_spans(self.loss_spans, num_tokens))
+        set_field(self, "loss_spans", loss_spans)
+        set_field(self, "input_embed_spans", embed_spans)
+        set_field(self, "input_embeds", input_embeds)
         set_field(self, "metadata", check_metadata(self.metadata))
+
+    def _checked_input_embeds(self, spans: tuple[tuple[int, int], ...], dtype: np.dtype, hidden_size: int,
+                              hint: str) -> np.ndarray | None:
+        num_rows = sum(end - start for start, end in spans)
+        if self.input_embeds is None:
+            if spans:
+                raise InvalidRecordError(f"input_embed_spans mark {num_rows} image positions; input_embeds is missing")
+            return None
+        if not spans:
+            raise InvalidRecordError("input_embeds given without input_embed_spans to place them")
+        return _check_array(self.input_embeds, "input_embeds", dtype, (num_rows, hidden_size), hint)
 
     @property
     def num_tokens(self) -> int:
@@ -345,8 +430,16 @@ class CaptureRecord:
 
     @property
     def raw_nbytes(self) -> int:
-        """Bytes of token_ids, aux and final uncompressed."""
-        return self.token_ids.nbytes + self.aux.nbytes + self.final.nbytes
+        """Bytes of token_ids, aux, final and input_embeds uncompressed."""
+        embeds = 0 if self.input_embeds is None else self.input_embeds.nbytes
+        return self.token_ids.nbytes + self.aux.nbytes + self.final.nbytes + embeds
+
+    def input_embed_mask(self) -> np.ndarray:
+        """uint8 [T]: 1 on the image positions, 0 elsewhere."""
+        mask = np.zeros(self.num_tokens, dtype=np.uint8)
+        for start, end in self.input_embed_spans:
+            mask[start:end] = 1
+        return mask
 
     def loss_mask(self) -> np.ndarray:
         """uint8 [T]: 1 on tokens inside a loss span, 0 elsewhere."""

@@ -1,4 +1,5 @@
-"""Writes tests/fixtures/known_answer_frame.bin: one small frame built from a fixed record.
+"""Writes tests/fixtures/known_answer_frame.bin and known_answer_image_frame.bin: small frames built from fixed
+records, a text record (schema 1) and a record with an image in it (schema 2).
 
 The frame uses the raw codec so its bytes depend on this package alone, not on the zstd library's
 version. tests/test_capture_format_frames.py checks that encode_frame still produces these exact
@@ -20,6 +21,8 @@ sys.path.insert(0, str(REPOSITORY_ROOT))
 from capture_format import CaptureRecord, bfloat16_bits_from_float32, encode_frame  # noqa: E402
 
 FIXTURE_PATH = REPOSITORY_ROOT / "tests" / "fixtures" / "known_answer_frame.bin"
+IMAGE_FIXTURE_PATH = REPOSITORY_ROOT / "tests" / "fixtures" / "known_answer_image_frame.bin"
+MEDIA_PAD_ID = 4096
 KNOWN_ANSWER_CODEC = "raw"
 EDGE_VALUE_BITS = np.array(
     # +0, -0, smallest subnormal, largest finite, +inf, -inf, quiet NaN with payload, negative NaN
@@ -52,11 +55,27 @@ def known_answer_record() -> CaptureRecord:
     )
 
 
+def known_answer_image_record() -> CaptureRecord:
+    """The text record with tokens 1 and 2 an image's two placeholder positions (schema 2): its input
+    embeddings there are input_embeds[e, h] = (e + 1) * 0.0625 * (h - 3.5), and no loss falls on them."""
+    text = known_answer_record()
+    token_ids = text.token_ids.copy()
+    token_ids[1:3] = MEDIA_PAD_ID
+    embed = np.arange(2, dtype=np.float32)[:, None]
+    channel = np.arange(text.hidden_size, dtype=np.float32)[None, :]
+    return CaptureRecord(
+        record_id="known-answer-image-0001", sample_id="sample-image-0001", model_fingerprint="tiny-kimi-k25-test@0000",
+        capture_layers=text.capture_layers, hidden_size=text.hidden_size, dtype=text.dtype, token_ids=token_ids,
+        loss_spans=((3, 5),), aux=text.aux, final=text.final, metadata=text.metadata,
+        input_embed_spans=((1, 3),), input_embeds=bfloat16_bits_from_float32((embed + 1) * 0.0625 * (channel - 3.5)))
+
+
 def main() -> None:
-    frame = encode_frame(known_answer_record(), codec=KNOWN_ANSWER_CODEC)
-    FIXTURE_PATH.parent.mkdir(parents=True, exist_ok=True)
-    FIXTURE_PATH.write_bytes(frame)
-    print(f"wrote {len(frame)} bytes to {FIXTURE_PATH.relative_to(REPOSITORY_ROOT)}")
+    for path, record in ((FIXTURE_PATH, known_answer_record()), (IMAGE_FIXTURE_PATH, known_answer_image_record())):
+        frame = encode_frame(record, codec=KNOWN_ANSWER_CODEC)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(frame)
+        print(f"wrote {len(frame)} bytes to {path.relative_to(REPOSITORY_ROOT)}")
 
 
 if __name__ == "__main__":

@@ -310,7 +310,7 @@ HOSTILE_HEADERS = [
     (_set(("dtype",), "float16"), FrameError, "tensor 'aux' has dtype 'bfloat16'; expected 'float16'"),
     (_set(("record_id",), "../etc/passwd"), InvalidRecordError, "record_id '../etc/passwd' is not allowed"),
     (_set(("sample_id",), None), InvalidRecordError, "sample_id must be a str"),
-    (_set(("schema_version",), 2), InvalidRecordError, "schema_version 2 is not supported"),
+    (_set(("schema_version",), 3), InvalidRecordError, "schema_version 3 is not supported"),
     (_set(("aux_semantics",), "post-attention"), FrameError, "aux_semantics"),
     (_set(("loss_spans",), [[4, 2]]), InvalidRecordError, "loss span"),
     (_set(("loss_spans",), [[0, 6]]), InvalidRecordError, "loss span end 6 is out of range"),

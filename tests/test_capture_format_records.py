@@ -121,7 +121,7 @@ def test_long_bad_values_are_cut_in_messages() -> None:
         ({"metadata": {"x": "y" * MAX_METADATA_NBYTES}}, "at most 65536 are accepted"),
         ({"model_fingerprint": ""}, "model_fingerprint"),
         ({"model_fingerprint": "a\nb"}, "model_fingerprint"),
-        ({"schema_version": 2}, "schema_version 2 is not supported; accepted: 1"),
+        ({"schema_version": 3}, "schema_version 3 is not supported; accepted: 1, 2"),
     ],
 )
 def test_invalid_fields_are_rejected_with_a_message_naming_them(overrides: dict, message: str) -> None:

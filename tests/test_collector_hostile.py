@@ -145,7 +145,7 @@ CASES = [
          "malformed_frame", "dtype"),
     Case("unknown codec", header_lie(set_tensor_field("aux", "codec", "zstdd")), 422, "unknown_codec", "zstdd"),
     Case("codec declares a lying size", frame_only(lying_bf16_split_size), 400, "malformed_frame", "bf16-split"),
-    Case("unknown schema version", header_lie(lambda h: h.update(schema_version=2)), 422, "invalid_record",
+    Case("unknown schema version", header_lie(lambda h: h.update(schema_version=3)), 422, "invalid_record",
          "schema_version"),
     Case("path-like record id", header_lie(lambda h: h.update(record_id="../../etc/passwd")), 422,
          "invalid_record", "record_id"),
