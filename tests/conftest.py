@@ -59,7 +59,8 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[FREE_PORT_SHARE_VARIABLE] = f"{int(worker[2:]) % int(count)}/{count}"
 
 
-@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture parameters, which stays within modules
+# Runs after pytest's reordering by fixture parameters (a plugin registered later, so called first) and before
+# `-m` selects by the tier markers added here.
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: index for index, name in enumerate(HEAVIEST_MODULES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a module is kept
