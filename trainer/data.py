@@ -31,6 +31,13 @@ never read by any record. It trains on its last token too (often the end of turn
 Test-time-training step i (trainer/ttt.py) reads row r + i of the same record for input ids,
 targets and mask, at position r + i, with the draft's own hidden state of row r.
 
+Images. Where token r+1 is an image position of the record (`input_embed_spans`), row r's input is not
+the embedding of its id (the image placeholder) but the target's own input embedding there, as SGLang
+hands an EAGLE-3 draft `mm_input_embeds` rotated left by one like the ids: `input_embeds` (n, H) holds
+it and `input_embed_mask` (n,) marks those rows; a batch carries them, (B, S, H) and (B, S), only when
+one of its records has images. An image position is never in a loss span (capture_format records), so
+no row predicts one and the vocabulary counts never see one.
+
 Windows: every token of a long record is trained. A record of n rows with n > max_length (M) is
 cut into windows of at most M rows, each a unit of the batch plan with the states of its own rows
 only (`read_windows`: IndexedShards.read_window decodes only the frames those rows lie in). L = `window_overlap` rows (train and eval pass ttt_steps - 1, the farthest the unroll reads
@@ -202,7 +209,23 @@ def shift_window(rows: cf.RecordWindow, first: int, end: int, overlap: int = 0) 
         "start_mask": starts,  # (n,): a chain starts here (eval), learned token r+2
         "label_ids": np.append(ids, -1)[first + 2 : end + 2],  # (n,): token r+2, -1 past the end
         "positions": np.arange(first, end),  # (n,): the record's own positions
+        **image_inputs(rows, first, end),
     }
+
+
+def image_inputs(rows: cf.RecordWindow, first: int, end: int) -> dict[str, np.ndarray]:
+    """{"input_embeds": (n, H), "input_embed_mask": (n,)}: row r's input where token r+1 is an image position
+    (the module docstring); {} for a record without images."""
+    if rows.input_embeds is None:
+        return {}
+    image_mask = np.zeros(rows.num_tokens + 1, dtype=bool)  # (T + 1,): token T, past the record, is none
+    for span_start, span_end in rows.input_embed_spans:
+        image_mask[span_start:span_end] = True
+    row_of_position = np.cumsum(image_mask) - 1  # (T + 1,): which input_embeds row an image position is
+    mask = image_mask[first + 1 : end + 1]  # (n,): token r+1 is an image position
+    embeds = np.zeros((end - first, rows.hidden_size), dtype=rows.input_embeds.dtype)  # (n, H)
+    embeds[mask] = rows.input_embeds[row_of_position[first + 1 : end + 1][mask]]
+    return {"input_embeds": embeds, "input_embed_mask": mask}
 
 
 def shift_record(record: cf.CaptureRecord) -> dict[str, np.ndarray]:
@@ -211,7 +234,8 @@ def shift_record(record: cf.CaptureRecord) -> dict[str, np.ndarray]:
         record_id=record.record_id, sample_id=record.sample_id, model_fingerprint=record.model_fingerprint,
         capture_layers=record.capture_layers, hidden_size=record.hidden_size, dtype=record.dtype,
         token_ids=record.token_ids, loss_spans=record.loss_spans, metadata=record.metadata,
-        num_states=record.num_states, start=0, end=record.num_states, aux=record.aux, final=record.final)
+        num_states=record.num_states, start=0, end=record.num_states, aux=record.aux, final=record.final,
+        input_embed_spans=record.input_embed_spans, input_embeds=record.input_embeds)
     return shift_window(rows, 0, record.num_tokens - 1)
 
 
@@ -261,7 +285,8 @@ def collate(
 ) -> dict[str, Any]:
     """Tensors of one batch from rows of shifted windows; pad positions have doc_ids -1 and masks 0.
 
-    aux_width = K*H and hidden = H size the batch even when every record of it was skipped.
+    aux_width = K*H and hidden = H size the batch even when every record of it was skipped. input_embeds (B, S, H)
+    and input_embed_mask (B, S) are there only when a window of the batch has images (`image_inputs`).
     """
     width = max(1, max(sum(len(part["input_ids"]) for part in row) for row in rows))
     numpy_dtype = cf.STATE_DTYPES[state_dtype]
@@ -274,6 +299,9 @@ def collate(
     start_mask = np.zeros((num_rows_, width), dtype=bool)  # (B, S)
     positions = np.zeros((num_rows_, width), dtype=np.int64)  # (B, S)
     doc_ids = np.full((num_rows_, width), -1, dtype=np.int64)  # (B, S)
+    with_images = any("input_embeds" in part for row in rows for part in row)
+    input_embeds = np.zeros((num_rows_, width, hidden) if with_images else (0,), dtype=numpy_dtype)  # (B, S, H)
+    input_embed_mask = np.zeros((num_rows_, width), dtype=bool)  # (B, S)
     for b, row in enumerate(rows):
         start = 0
         for doc, part in enumerate(row):
@@ -286,6 +314,9 @@ def collate(
             start_mask[b, start:end] = part["start_mask"]
             positions[b, start:end] = part["positions"]
             doc_ids[b, start:end] = doc
+            if "input_embeds" in part:
+                input_embeds[b, start:end] = part["input_embeds"]
+                input_embed_mask[b, start:end] = part["input_embed_mask"]
             start = end
 
     def states(array: np.ndarray) -> torch.Tensor:
@@ -302,6 +333,8 @@ def collate(
         "position_ids": torch.from_numpy(positions),
         "doc_ids": torch.from_numpy(doc_ids),
         "record_ids": record_ids,
+        **({"input_embeds": states(input_embeds), "input_embed_mask": torch.from_numpy(input_embed_mask)}
+           if with_images else {}),
     }
 
 

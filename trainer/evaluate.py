@@ -90,7 +90,12 @@ def chain_proposals(draft: Eagle3Draft, batch: dict[str, Any], steps: int) -> to
     step_ids, cache, proposals = batch["input_ids"], [], []
     hot_ids = torch.arange(draft.d2t.numel()) + draft.d2t  # (D,): target id of each draft id
     for step in range(steps):
-        hidden, logits = draft(hidden, step_ids, batch["position_ids"] + step, mask, cache)  # (B,S,H), (B,S,D)
+        # Step 0 reads the record's next token, at an image position the target's input embedding there (as
+        # SGLang's draft extend does); later steps read the draft's own proposals, always tokens.
+        images = {"input_embeds": batch["input_embeds"], "input_embed_mask": batch["input_embed_mask"]} \
+            if step == 0 and "input_embed_mask" in batch else {}
+        hidden, logits = draft(hidden, step_ids, batch["position_ids"] + step, mask, cache,
+                               **images)  # (B, S, H), (B, S, D)
         step_ids = hot_ids[logits.argmax(-1)]  # (B, S): the next step reads this step's own proposal
         proposals.append(step_ids)
     return torch.stack(proposals, dim=-1)  # (B, S, J)

@@ -273,13 +273,25 @@ class Eagle3Draft(nn.Module):
         mask: torch.Tensor,
         cache: list | None = None,
         gather_keys: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        input_embeds: torch.Tensor | None = None,
+        input_embed_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step. hidden (B, S, H): fc(aux) at the first step, the previous `out` after;
         mask (B, 1, S, T) bool: the first step's keys each query may see (T = S, or with gather_keys, which
         gathers the first step's keys of every sequence-parallel rank, all T positions). Returns out (B, S, H),
         pre-norm, for the next step and logits (B, S, D). (SGLang applies fc inside its forward
-        whenever the incoming width differs from H, which is every first step with K >= 2.)"""
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # (B, S, H)
+        whenever the incoming width differs from H, which is every first step with K >= 2.) Where
+        input_embed_mask (B, S) is set, the input is input_embeds (B, S, H), the target's own input embedding at
+        an image position, not the embedding of its id (SGLang's mm_input_embeds; trainer/data.py)."""
+        embeds = self.embed_tokens(input_ids)  # (B, S, H)
+        if input_embed_mask is not None:
+            if input_embeds.shape[-1] != embeds.shape[-1]:
+                raise ValueError(f"records with images hold the target's input embeddings, {input_embeds.shape[-1]} "
+                                 f"wide; this draft's embeddings are {embeds.shape[-1]} wide: a draft for images "
+                                 "must be as wide as its target (hidden_size == target_hidden_size), as SGLang "
+                                 "serves it")
+            embeds = torch.where(input_embed_mask.unsqueeze(-1), input_embeds.to(embeds.dtype), embeds)  # (B, S, H)
+        embeds = embeds.to(hidden.dtype)
         cos, sin = self.rope(position_ids, hidden.dtype)  # (B, 1, S, E) each
         out = self.midlayer(embeds, hidden, cos, sin, mask, [] if cache is None else cache, gather_keys)  # (B, S, H)
         return out, self.lm_head(self.norm(out))  # (B, S, H), (B, S, D)

@@ -159,28 +159,37 @@ class Eagle3Objective(nn.Module):
         # One additive mask in the attention's dtype (bf16 under autocast) that every step's attention shares.
         mask = attention_bias(causal_mask(batch["doc_ids"], first, end), hidden.dtype)  # (B, 1, n, S)
         position_ids = batch["position_ids"][:, first:end]  # (B, n)
+        # Image positions (trainer/data.py): the target's input embeddings, shifted with the ids.
+        images = "input_embed_mask" in batch
+        embeds = batch["input_embeds"][:, first:reach] if images else None  # (B, n+, H)
+        embed_mask = batch["input_embed_mask"][:, first:reach] if images else None  # (B, n+)
         gather_keys = None if blocks is None else blocks.gather
         cache: list = []
         for step in range(self.config.ttt_steps):
             counted = scored_rows(loss_mask, doc_ids, step)[:, :n]  # (B, n)
             step_ids = shift_rows(input_ids, step, 0)[:, :n]  # (B, n)
+            step_embeds = shift_rows(embeds, step, 0)[:, :n] if images else None  # (B, n, H)
+            step_mask = shift_rows(embed_mask, step, False)[:, :n] if images else None  # (B, n)
             if step > 0 and self.config.checkpoint_steps and torch.is_grad_enabled():
                 # Step 0 is never checkpointed: under sequence parallelism it gathers keys (a collective).
                 hidden, logits, *key_value = checkpoint(self._step_from, hidden, step_ids, position_ids + step, mask,
-                                                        *(x for pair in cache for x in pair), use_reentrant=False)
+                                                        step_embeds, step_mask, *(x for pair in cache for x in pair),
+                                                        use_reentrant=False)
                 cache.append(tuple(key_value))
             else:
-                hidden, logits = self.draft(hidden, step_ids, position_ids + step, mask, cache,
-                                            gather_keys)  # (B, n, H), (B, n, D)
+                hidden, logits = self.draft(hidden, step_ids, position_ids + step, mask, cache, gather_keys,
+                                            step_embeds, step_mask)  # (B, n, H), (B, n, D)
             yield {"logits": logits, "target_p": target_p[:, step : step + n], "counted": counted,
                    "learned": counted & in_vocab[:, step : step + n]}
 
     def _step_from(self, hidden: torch.Tensor, step_ids: torch.Tensor, position_ids: torch.Tensor,
-                   mask: torch.Tensor, *cached: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                   mask: torch.Tensor, step_embeds: torch.Tensor | None, step_mask: torch.Tensor | None,
+                   *cached: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """One draft step after the earlier steps' keys and values `cached` (k0, v0, k1, v1, ...): its out, logits,
         and its own key and value. A pure function of its inputs, so a checkpoint can run it again."""
         cache = [(cached[i], cached[i + 1]) for i in range(0, len(cached), 2)]
-        out, logits = self.draft(hidden, step_ids, position_ids, mask, cache)  # (B, n, H), (B, n, D)
+        out, logits = self.draft(hidden, step_ids, position_ids, mask, cache, None, step_embeds,
+                                 step_mask)  # (B, n, H), (B, n, D)
         return out, logits, *cache[-1]
 
     def forward(
