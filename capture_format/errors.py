@@ -58,6 +58,15 @@ def describe(value: object, *, max_chars: int = 80) -> str:
     return f"{text[:max_chars]}... ({len(text)} chars)"
 
 
+def describe_path(path: object, *, max_chars: int = 120) -> str:
+    """repr(str(path)), cut at its start when longer than max_chars: a path's end names the file or folder,
+    where `describe` would cut that part away."""
+    text = repr(str(path))
+    if len(text) <= max_chars:
+        return text
+    return f"...{text[-max_chars:]} ({len(text)} chars)"
+
+
 def check_json_type(value: Any, expected: type, what: str, error: type[CaptureFormatError]) -> Any:
     """Returns value if it is a JSON value of type expected, else raises error naming what it is.
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from capture_format import records
-from capture_format.errors import CaptureFormatError, ShardError, check_json_type, describe
+from capture_format.errors import CaptureFormatError, ShardError, check_json_type, describe, describe_path
 from capture_format.files import write_file_atomically
 from capture_format.frame_header import FrameInfo
 
@@ -105,7 +105,7 @@ def list_shard_files(directory: Path | str) -> ShardFiles:
     directory = Path(directory)
     if not directory.is_dir():
         what = "is not a folder" if directory.exists() else "does not exist"
-        raise ShardError(f"shards folder {describe(str(directory))} {what}")
+        raise ShardError(f"shards folder {describe_path(directory)} {what}")
     files: dict[str, list[tuple[int, Path]]] = {SEALED_SUFFIX: [], OPEN_SUFFIX: [], INDEX_SUFFIX: []}
     for name in sorted(os.listdir(directory)):
         parsed = parse_shard_file_name(name)
@@ -118,7 +118,7 @@ def index_path_for(shard_path: Path) -> Path:
     """The index beside a sealed or open shard."""
     parsed = parse_shard_file_name(shard_path.name)
     if parsed is None or parsed[1] == INDEX_SUFFIX:
-        raise ShardError(f"{describe(str(shard_path))} is not a shard file name like shard-000001{SEALED_SUFFIX}")
+        raise ShardError(f"{describe_path(shard_path)} is not a shard file name like shard-000001{SEALED_SUFFIX}")
     return shard_path.with_name(shard_stem(shard_path.name) + INDEX_SUFFIX)
 
 

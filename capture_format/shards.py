@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from capture_format.errors import CaptureFormatError, ShardError, describe
+from capture_format.errors import CaptureFormatError, ShardError, describe_path
 from capture_format.frame_header import FrameInfo
 from capture_format.frames import (
     FRAME_PREFIX_NBYTES,
@@ -276,7 +276,7 @@ def _keep_valid_frames(shard_path: Path, suffix: str) -> _Kept:
     parsed = parse_shard_file_name(shard_path.name)
     if parsed is None or parsed[1] != suffix:
         kind = "an open" if suffix == OPEN_SUFFIX else "a sealed"
-        raise ShardError(f"{describe(str(shard_path))} is not {kind} shard name like shard-000001{suffix}")
+        raise ShardError(f"{describe_path(shard_path)} is not {kind} shard name like shard-000001{suffix}")
     fd = os.open(shard_path, os.O_RDWR | os.O_CLOEXEC)
     try:
         _lock(fd, shard_path)

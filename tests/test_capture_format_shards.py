@@ -318,3 +318,10 @@ def test_load_index_and_open_shards_are_listed(tmp_path: Path) -> None:
     assert [shard.shard_path for shard in shards.shards] == [shard_path]
     assert load_index(shard_path).entries == shards.shards[0].entries
     open_writer.close()
+
+
+def test_a_long_missing_folder_is_named_by_its_end(tmp_path):
+    """A long path is cut at its start, so the error still names the folder that is missing."""
+    missing = tmp_path.joinpath(*["deep" * 8] * 6, "no-shards")
+    with pytest.raises(ShardError, match=r"shards folder \.\.\..*/no-shards' \(\d+ chars\) does not exist"):
+        ShardDirectory(missing)
