@@ -28,6 +28,13 @@ and in prefix mode each of the plan's blocks goes as soon as its rows are held; 
 the capture refers to the last of them and holds only the rows after it. A retracted request keeps
 what it sent: its new prefill's rows before the first row still held are not taken again.
 
+A request with images (SGLang's `multimodal_inputs`) is captured whole: no prefix blocks (`selection.py`),
+no parts. Its extends also give the target's input embeddings of their tokens (`mm_input_embeds`, the
+tensor SGLang hands an EAGLE-3 draft); the rows at its image positions (the items' `offsets`) are copied
+with the states, and its record marks those positions and holds them (`capture_format` schema 2). Its
+token ids there are the image placeholder id, not the radix cache's pad values SGLang puts in their
+place, and no loss span covers them.
+
 What must hold:
 - a record holds exactly the rows of its own request, for every token of the sequence (but the
   last, in generate mode), in order, with the parts sent before it; anything else (a first chunk with
@@ -55,12 +62,41 @@ import numpy as np
 import torch
 
 from capture_format.tag import CaptureTag
-from sglang_patch.device_copy import HostCopier, HostRows, RowCopier, host_cat
+from sglang_patch.device_copy import HostCopier, HostRows, RowCopier, host_cat, host_copy
 from sglang_patch.selection import PrefixPlan, Selection, Selector, is_sampled
 from sglang_patch.speculative import METADATA_KEY, SpecServing, served_draft_metadata, verified_steps
 from sglang_patch.stats import CaptureStats
 
-__all__ = ["CaptureAssembler", "CapturedSequence", "is_sampled"]
+__all__ = ["CaptureAssembler", "CapturedSequence", "ImageInputs", "image_inputs_of", "is_sampled"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ImageInputs:
+    """Where a request's images are: half-open spans of its token positions, and the placeholder id there."""
+
+    spans: tuple[tuple[int, int], ...]
+    placeholder_id: int | None
+
+    @property
+    def num_positions(self) -> int:
+        return sum(end - start for start, end in self.spans)
+
+    def positions_in(self, start: int, end: int) -> list[int]:
+        """The image positions p with start <= p < end, in order."""
+        return [position for low, high in self.spans if low < end and start < high
+                for position in range(max(low, start), min(high, end))]
+
+
+def image_inputs_of(req) -> ImageInputs | None:
+    """A request's images from SGLang's `req.multimodal_inputs` (item offsets are inclusive pairs); None: none."""
+    inputs = getattr(req, "multimodal_inputs", None)
+    if inputs is None:
+        return None
+    spans = sorted((int(start), int(end) + 1) for item in inputs.mm_items for start, end in (item.offsets or ()))
+    if not spans:
+        return None
+    placeholder = getattr(inputs, "im_token_id", None)
+    return ImageInputs(tuple(spans), int(placeholder) if placeholder is not None else None)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -90,6 +126,10 @@ class CapturedSequence:
     """The token of the chunks' first row, when rows were sent ahead of these (else from prefix)."""
     block_ends: tuple[int, ...] | None = None
     """Blocks only: the ends of the plan's blocks these chunks hold (None: all of prefix.sent_here)."""
+    input_embed_spans: tuple[tuple[int, int], ...] = ()
+    """A capture of a request with images: its image positions (`ImageInputs.spans`)."""
+    input_embeds: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """Host tensors (n, H) whose rows, joined, are the target's input embeddings at those positions, in order."""
 
     @property
     def first_row(self) -> int:
@@ -100,7 +140,8 @@ class CapturedSequence:
 
     @property
     def raw_nbytes(self) -> int:
-        return sum(chunk.nbytes for chunk in self.chunks) + 4 * len(self.token_ids)
+        embeds = sum(rows.numel() * rows.element_size() for rows in self.input_embeds)
+        return sum(chunk.nbytes for chunk in self.chunks) + 4 * len(self.token_ids) + embeds
 
     def states(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux (S, K*H), final (S, H)) on CPU, once every chunk's copy has landed, S = num_states - first_row.
@@ -145,6 +186,12 @@ class _Partial:
     """Parts of this capture handed to the sender (`_cut_parts`)."""
     plan_sent: bool = False
     """Prefix mode: the plan's blocks were handed to the sender ahead of the first part."""
+    images: ImageInputs | None = None
+    """Where the request's images are; None for a text request."""
+    embeds: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """Host copies of the input embeddings at its image positions taken so far, in order (`ImageInputs`)."""
+    num_embeds: int = 0
+    """Image positions whose embeddings are in `embeds`."""
 
     @property
     def first_row(self) -> int:
@@ -211,8 +258,9 @@ class CaptureAssembler:
         return self._num_generating > 0
 
     def on_extend(self, reqs: list, prefix_lens: list[int], extend_lens: list[int],
-                  aux: torch.Tensor, final: torch.Tensor) -> None:
-        """Take the rows of one EXTEND (or MIXED) batch. aux: (rows, K*H), final: (rows, H), device tensors."""
+                  aux: torch.Tensor, final: torch.Tensor, input_embeds: torch.Tensor | None = None) -> None:
+        """Take the rows of one EXTEND (or MIXED) batch. aux: (rows, K*H), final: (rows, H), device tensors;
+        input_embeds (rows, H): the target's input embeddings of the batch's tokens, where it has images."""
         now = time.monotonic()
         offset = 0
         taken: list[tuple[object, _Partial]] = []  # (req, partial) of each captured request, in batch order
@@ -229,6 +277,8 @@ class CaptureAssembler:
                 if prefix_len > partial.first_row:  # rows it needs were never computed here (a cache hit)
                     self._abandon(rid, "cached_prefix", now)
                     continue
+                if selection.images:
+                    partial.images = image_inputs_of(req)
             elif prefix_len <= partial.first_row and partial.num_rows > 0:
                 self._stats.add("restarted")  # retracted and prefilled again from its first row
                 self._restart(partial, now)
@@ -239,11 +289,29 @@ class CaptureAssembler:
                 continue
             if first_new >= extend_len:
                 continue
+            if partial.images is not None and not self._take_embeds(partial, input_embeds, start - prefix_len,
+                                                                    prefix_len + first_new, prefix_len + extend_len):
+                self._abandon(rid, "image_embeds_missing", now)
+                continue
             taken.append((req, partial))
             ranges.append((start + first_new, offset))
         if taken:
             self._copy(taken, ranges, aux, final, now, prefill=True)
         self._maybe_sweep(now)
+
+    def _take_embeds(self, partial: _Partial, input_embeds: torch.Tensor | None, row_of_token_0: int,
+                     start: int, end: int) -> bool:
+        """Copies the input embeddings of the image positions among tokens [start, end) (batch row of token t:
+        row_of_token_0 + t); False when this batch's rows have none to give (the capture cannot be whole)."""
+        positions = partial.images.positions_in(start, end)
+        if not positions:
+            return True
+        if input_embeds is None or row_of_token_0 + end > input_embeds.shape[0]:
+            return False
+        rows = torch.tensor(positions, dtype=torch.long, device=input_embeds.device) + row_of_token_0  # (n,)
+        partial.embeds.append(host_copy(input_embeds.index_select(0, rows)))  # (n, H)
+        partial.num_embeds += len(positions)
+        return True
 
     def on_decode(self, reqs: list, aux: torch.Tensor, final: torch.Tensor) -> None:
         """Take the rows of one DECODE batch: row i is the state of request i's newest token."""
@@ -346,6 +414,7 @@ class CaptureAssembler:
         # Rows already sent in parts stay sent: the new prefill's rows before chunks_start are not taken.
         partial.release()
         partial.chunks, partial.pending, partial.num_rows, partial.updated_at = [], [], 0, now
+        partial.embeds, partial.num_embeds = [], 0  # an image request is never in parts: it restarts at 0
 
     def _part_rows(self, partial: _Partial) -> int:
         row_nbytes = partial.chunks[0].nbytes // max(partial.chunks[0].aux.shape[0], 1)
@@ -360,6 +429,8 @@ class CaptureAssembler:
             self._stats.set("most_rows_held", partial.num_rows)
         # A generate capture keeps one row more: the overlap scheduler may run a step past its last token.
         spare = 1 + (partial.tag.mode == "generate")
+        if partial.images is not None:  # sent whole (see the module docstring)
+            return True
         if not partial.chunks or partial.num_rows < self._part_rows(partial) + spare:
             return True
         plan = partial.prefix
@@ -494,6 +565,9 @@ class CaptureAssembler:
 
     def _send(self, partial: _Partial, token_ids: list[int], spans: tuple[tuple[int, int], ...],
               num_states: int, metadata: dict) -> None:
+        if partial.images is not None:
+            self._send_with_images(partial, token_ids, spans, num_states, metadata)
+            return
         self._stats.add("captured")
         self._stats.add("captured_tokens", len(token_ids))
         if partial.tag.metadata.get("source") == "live":
@@ -511,6 +585,27 @@ class CaptureAssembler:
             return
         self._emit(CapturedSequence(tag=partial.tag, token_ids=token_ids, chunks=partial.chunks,
                                     loss_spans=spans, num_states=num_states, metadata=metadata, prefix=partial.prefix))
+
+    def _send_with_images(self, partial: _Partial, token_ids: list[int], spans: tuple[tuple[int, int], ...],
+                          num_states: int, metadata: dict) -> None:
+        """The record of a request with images: the placeholder id at its image positions, no loss there, and
+        the input embeddings of every one of them (else it is dropped: `image_embeds_missing`)."""
+        images = partial.images
+        if partial.num_embeds != images.num_positions or images.spans[-1][1] > len(token_ids):
+            self._discard(partial, "image_embeds_missing")
+            return
+        token_ids = list(token_ids)
+        if images.placeholder_id is not None:
+            for start, end in images.spans:
+                token_ids[start:end] = [images.placeholder_id] * (end - start)
+        self._stats.add("captured")
+        self._stats.add("captured_images")
+        self._stats.add("captured_tokens", len(token_ids))
+        if partial.tag.metadata.get("source") == "live":
+            self._stats.add("captured_live")
+        self._emit(CapturedSequence(tag=partial.tag, token_ids=token_ids, chunks=partial.chunks,
+                                    loss_spans=spans_without(spans, images.spans), num_states=num_states,
+                                    metadata=metadata, input_embed_spans=images.spans, input_embeds=partial.embeds))
 
     def on_aborted(self, rid: str) -> None:
         """A request the scheduler ended outside a batch (aborted while queued, e.g. after a retraction, or
@@ -548,6 +643,24 @@ class CaptureAssembler:
         for rid, partial in list(self._partials.items()):
             if now - partial.updated_at > self._partial_ttl_s:
                 self._abandon(rid, "expired", now)
+
+
+def spans_without(spans: tuple[tuple[int, int], ...],
+                  holes: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """The sorted half-open spans less every position in holes (sorted, non-overlapping)."""
+    kept = []
+    for start, end in spans:
+        for low, high in holes:
+            if high <= start or end <= low:
+                continue
+            if low > start:
+                kept.append((start, low))
+            start = max(start, high)
+            if start >= end:
+                break
+        if start < end:
+            kept.append((start, end))
+    return tuple(kept)
 
 
 def _ids_array(ids, end: int) -> np.ndarray:

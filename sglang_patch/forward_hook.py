@@ -104,7 +104,8 @@ class CaptureHook:
             if decode:
                 self._assembler.on_decode(batch.reqs, aux, final)
             else:
-                self._assembler.on_extend(batch.reqs, batch.prefix_lens, batch.extend_lens, aux, final)
+                self._assembler.on_extend(batch.reqs, batch.prefix_lens, batch.extend_lens, aux, final,
+                                          getattr(logits_output, "mm_input_embeds", None))
             # What the scheduler's thread spends on capture per forward (hook + device copy).
             self.stats.add("hook_ns", time.perf_counter_ns() - started_ns)
             self.stats.add("hook_cpu_ns", time.thread_time_ns() - started_cpu_ns)  # not counting preemption

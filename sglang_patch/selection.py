@@ -92,6 +92,8 @@ class Selection:
     tag: CaptureTag
     prefix: PrefixPlan | None
     decided_at: float
+    images: bool = False
+    """The request has images (SGLang's mm_inputs): its record holds their input embeddings, never a prefix."""
 
 
 def is_sampled(key: str, sample_rate: float) -> bool:
@@ -149,14 +151,15 @@ class Selector:
         if not isinstance(rid, str) or rid.startswith(HEALTH_CHECK_RID_PREFIX):
             return
         tag = self.choose(rid, getattr(recv_req.sampling_params, "custom_params", None),
-                          token_ids_only=getattr(recv_req, "input_embeds", None) is None
-                          and getattr(recv_req, "mm_inputs", None) is None,
+                          token_ids_only=getattr(recv_req, "input_embeds", None) is None,
                           num_samples=getattr(recv_req.sampling_params, "n", 1) or 1)
         if tag is None:
             self._note_decision(rid, "-")
             return
         input_ids = getattr(recv_req, "input_ids", None)
-        plan = self._plan_prefix(input_ids) if self._block_tokens and input_ids else None
+        # A prefix key is made of ids, the same placeholder for any image: a request with images shares none.
+        images = getattr(recv_req, "mm_inputs", None) is not None
+        plan = self._plan_prefix(input_ids) if self._block_tokens and input_ids and not images else None
         self._note_decision(rid, tag.record_id if plan is None else f"{tag.record_id}:{plan.reused}:{plan.sent_here}")
         if plan is not None:  # the cache may serve its reused blocks, nothing past them (0: nothing)
             self._caps[rid] = plan.reused
@@ -171,7 +174,7 @@ class Selector:
             self._waiting.clear()
             return
         now = time.monotonic()
-        self._waiting[rid] = Selection(tag, plan, now)
+        self._waiting[rid] = Selection(tag, plan, now, images)
         self._waiting.move_to_end(rid)
         while len(self._waiting) > MAX_WAITING:
             self._waiting.popitem(last=False)
@@ -191,8 +194,8 @@ class Selector:
             self._stats.drop("generate_tag_with_n_samples")
             return None
         if tag is not None and not token_ids_only:
-            # Images or given embeddings: the draft is fed the target's input embeddings at those positions,
-            # which records do not hold yet; a record of the placeholder ids would train it on other inputs.
+            # Embeddings the client gave instead of ids: no token of them is known, and the plugin does not
+            # store them (images are stored: their input embeddings go into the record, `capture.py`).
             self._stats.drop("tagged_not_token_ids")
             return None
         if tag is not None:

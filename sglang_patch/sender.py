@@ -36,6 +36,7 @@ from capture_format.frames import inspect_frame_header
 from capture_format.parts import SENDER_MAX_BACKOFF_S, PartsDigest, closing_metadata, part_metadata
 from capture_format.prefix_blocks import BLOCK_KIND, block_record_id, prefix_key, prefix_keys, states_namespace
 from sglang_patch.capture import CapturedSequence
+from sglang_patch.device_copy import host_cat
 from sglang_patch.delivery import CollectorClient, Verdict
 from sglang_patch.settings import CaptureSettings
 from sglang_patch.spool import Spool
@@ -112,11 +113,16 @@ def to_records(captured: CapturedSequence, model: ModelIdentity, parts_digest: s
     if captured.blocks_only:
         return records
     own = plan.record_prefix if plan is not None else 0
+    images = {}
+    if captured.input_embed_spans:  # a request with images: never in blocks or parts
+        embeds = host_cat(captured.input_embeds) if len(captured.input_embeds) > 1 else captured.input_embeds[0]
+        images = {"input_embed_spans": captured.input_embed_spans,  # (E, H)
+                  "input_embeds": embeds.to(aux_rows.dtype).view(view_dtype).numpy().view(numpy_dtype)}
     records.append(CaptureRecord(
         record_id=captured.tag.record_id, sample_id=captured.tag.sample_id, token_ids=token_ids,
         loss_spans=captured.loss_spans, aux=aux[own - first_row :],  # (S - own, K, H)
         final=final[own - first_row :], metadata=captured.metadata,  # (S - own, H)
-        states_prefix=reference(own), **shared))
+        states_prefix=reference(own), **images, **shared))
     return records
 
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import re
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -220,30 +218,55 @@ def test_fp32_greedy_answers_equal_transformers(target):
     assert served == reference, (target.case.arch, served, reference)
 
 
-def test_a_tagged_image_request_is_served_and_counted_not_captured(target, collector):
-    """Kimi-K2.5's tower runs on SGLang's CPU path; the plugin stores no record of the placeholder ids."""
+def test_a_tagged_image_request_is_captured_with_the_input_embeddings_the_language_model_read(target, collector,
+                                                                                           random_target):
+    """Kimi-K2.5's tower runs on SGLang's CPU path. The record holds the ids as the server expanded them (the
+    placeholder once per image feature), marks the image positions, holds the target's input embeddings
+    there, and its states equal transformers' DeepSeek-V3 run on exactly those embeddings (fp32): wrong rows
+    of embeddings, or a placeholder's embedding in their place, would give other states."""
     if target.case.arch != "kimi_k25":
         pytest.skip("only the Kimi-K2.5 target takes images")
     import base64
     import io
 
     from PIL import Image
+    from transformers import AutoTokenizer
 
     from capture_format.tag import CaptureTag
     from eagle_tap.serve.http_api import post_json
 
+    media_pad, num_features = 4096, 6  # a 56x70 image: 4x6 patches, 2x3 merged features
+    tokenizer = AutoTokenizer.from_pretrained(random_target("kimi_k25"), trust_remote_code=True)
+    expanded = tokenizer("<|user|>look" + "<|media_pad|>" * num_features + "here<|end|><|assistant|>",
+                         add_special_tokens=False)["input_ids"]
+    num_tokens = len(expanded)
     png = io.BytesIO()
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (56, 70, 3), dtype=np.uint8)).save(png, format="PNG")
-    tag = CaptureTag(record_id="kimi-image", sample_id="kimi-image", loss_spans=((0, 4),), metadata={})
+    tag = CaptureTag(record_id="kimi-image", sample_id="kimi-image", loss_spans=((num_tokens - 3, num_tokens),),
+                     metadata={})
     answer = post_json(f"{target.fp32.url}/generate", {
         "text": "<|user|>look<|media_pad|>here<|end|><|assistant|>",
         "image_data": ["data:image/png;base64," + base64.b64encode(png.getvalue()).decode()],
         "sampling_params": {"max_new_tokens": 2, "temperature": 0, "custom_params": tag.to_custom_params()}})
-    assert answer["meta_info"]["image_tokens"] == 6  # a 56x70 image: 4x6 patches, 2x3 merged features
-    stats = wait_for(lambda: (s := read_stats(target.fp32_spool))["dropped"].get("tagged_not_token_ids") and s, 30,
-                     "the plugin's count of the tagged image request")
-    assert stats["dropped"]["tagged_not_token_ids"] == 1
-    generate(target.fp32, random_ids(4, 9), record_id="kimi-after-image")  # a later text record still lands
-    assert stored_record(collector, "kimi-after-image").token_ids.tolist() == random_ids(4, 9)
-    with pytest.raises(urllib.error.HTTPError, match="404"):  # and the image request left none
-        urllib.request.urlopen(f"{collector.url}/v1/records/kimi-image", timeout=10)
+    assert answer["meta_info"]["image_tokens"] == num_features
+    record = stored_record(collector, "kimi-image")
+    assert record.schema_version == 2 and record.token_ids.tolist() == expanded
+    first = expanded.index(media_pad)
+    assert record.input_embed_spans == ((first, first + num_features),)
+    assert record.input_embeds.shape == (num_features, record.hidden_size) and record.dtype == "float32"
+    hf_model = target.hf_model
+    with torch.no_grad():
+        embeds = hf_model.get_input_embeddings()(torch.tensor([expanded]))  # (1, T, H)
+        placeholder = embeds[0, first].clone()
+        embeds[0, first : first + num_features] = torch.from_numpy(np.array(record.input_embeds))
+        hidden = hf_model(inputs_embeds=embeds, output_hidden_states=True).hidden_states
+    reference = torch.stack([state[0] for state in hidden]).float().numpy()  # (L + 1, T, H)
+    print(check_record(record, reference, layers=target.case.default_layers, metric=relative_error,
+                       tolerance=FP32_REL_TOL, what="kimi image fp32"))
+    assert not torch.allclose(placeholder, torch.from_numpy(np.array(record.input_embeds[0])), atol=1e-3)
+    stats = wait_for(lambda: (s := read_stats(target.fp32_spool)).get("captured_images") and s, 30,
+                     "the plugin's count of image captures")
+    assert stats["captured_images"] == 1 and "tagged_not_token_ids" not in stats["dropped"]
+    generate(target.fp32, random_ids(4, 9), record_id="kimi-after-image")  # a later text record is schema 1
+    after = stored_record(collector, "kimi-after-image")
+    assert after.token_ids.tolist() == random_ids(4, 9) and after.schema_version == 1

@@ -303,14 +303,18 @@ def test_live_sampling_is_deterministic_skips_health_checks_and_opt_outs_and_sal
     snapshot = stats.snapshot()
     assert snapshot["live_opted_out"] == 1 and snapshot["live_skipped_not_token_ids"] == 1
     assert snapshot["live_selected"] == len(chosen)
-    # A tagged request with an image or given embeddings is not captured either (records hold no input
-    # embeddings yet), and the drop is counted by name.
-    tagged = {"eagle_tap": {"record_id": "r-image", "spans": [[0, 3]]}}
-    image = SimpleNamespace(rid="f" * 32, sampling_params=SimpleNamespace(custom_params=tagged), cache_salt=None,
+    # A tagged request given as embeddings is not captured either (no token of it is known), and the drop is
+    # counted by name; a tagged request with an image is (its record holds the images' input embeddings).
+    tagged = {"eagle_tap": {"record_id": "r-embeds", "spans": [[0, 3]]}}
+    given = SimpleNamespace(rid="f" * 32, sampling_params=SimpleNamespace(custom_params=tagged), cache_salt=None,
+                            input_embeds=[[0.0]], mm_inputs=None)
+    selector.on_request(given)
+    assert given.cache_salt is None and selector.take(given.rid) is None
+    assert stats.snapshot()["dropped"]["tagged_not_token_ids"] == 1
+    image = SimpleNamespace(rid="e" * 32, sampling_params=SimpleNamespace(custom_params=tagged), cache_salt=None,
                             input_embeds=None, mm_inputs=SimpleNamespace(mm_items=[object()]))
     selector.on_request(image)
-    assert image.cache_salt is None and selector.take(image.rid) is None
-    assert stats.snapshot()["dropped"]["tagged_not_token_ids"] == 1
+    assert image.cache_salt == f"eagle-tap:{image.rid}" and selector.take(image.rid).images
 
 
 def test_live_record_ids_are_valid_for_any_request_id():
@@ -351,3 +355,84 @@ def test_a_generate_tag_on_a_request_of_several_samples_is_refused_and_counted()
     selector.on_request(request)
     assert request.cache_salt is None and selector.take("r-multi") is None
     assert stats.snapshot()["dropped"] == {"generate_tag_with_n_samples": 1}
+
+
+def image_req(number: int, length: int, offsets, placeholder: int = 7):
+    """A request whose prompt has images at `offsets` (SGLang's inclusive pairs), its ids there pad values."""
+    req = make_req(number, length)
+    for start, end in offsets:
+        req.full_untruncated_fill_ids[start : end + 1] = [900_000 + start] * (end - start + 1)
+    req.multimodal_inputs = SimpleNamespace(mm_items=[SimpleNamespace(offsets=[pair]) for pair in offsets],
+                                            im_token_id=placeholder)
+    return req
+
+
+class ImageArrivals(ArrivingAssembler):
+    def on_extend(self, reqs, *rest) -> None:
+        for req in reqs:
+            if req.rid not in self.seen:
+                self.seen.add(req.rid)
+                arrived = arrival(req)
+                arrived.mm_inputs = getattr(req, "multimodal_inputs", None)
+                self.selector.on_request(arrived)
+        CaptureAssembler.on_extend(self, reqs, *rest)
+
+
+def embeds_of(chunks) -> torch.Tensor:
+    """(rows, HIDDEN): input embeddings of the batch's tokens, -(50 * number + position) at every row (exact in bf16)."""
+    values = [-(50 * number + torch.arange(prefix, prefix + extend, dtype=torch.float32)) for _, number, prefix, extend
+              in chunks]
+    return torch.cat(values)[:, None].expand(-1, HIDDEN).to(torch.bfloat16)
+
+
+def test_an_image_request_keeps_the_embeddings_of_its_image_positions_across_chunks():
+    emitted = []
+    asm = ImageArrivals(stats=CaptureStats(), emit=emitted.append)
+    image, text = image_req(1, 12, [(2, 4), (8, 9)]), make_req(2, 5)
+    first = [(image, 1, 0, 6), (text, 2, 0, 5)]
+    asm.on_extend(*batch(first), embeds_of(first))
+    second = [(image, 1, 6, 6)]
+    asm.on_extend(*batch(second), embeds_of(second))
+    by_id = {captured.tag.record_id: captured for captured in emitted}
+    record = by_id["rec-1"]
+    assert record.input_embed_spans == ((2, 5), (8, 10))
+    assert record.token_ids[2:5] == [7, 7, 7] and record.token_ids[8:10] == [7, 7]  # the placeholder, not pads
+    assert record.loss_spans == ((0, 2), (5, 8), (10, 12))  # no loss on an image position
+    embeds = torch.cat(record.input_embeds)[:, 0].float()
+    assert embeds.tolist() == [-(50 + position) for position in (2, 3, 4, 8, 9)]
+    assert by_id["rec-2"].input_embed_spans == () and by_id["rec-2"].input_embeds == []
+    # The sender's record: schema 2, the embeddings as bf16 bits, round trip through a frame.
+    from capture_format import decode_frame, encode_frame, float32_from_bfloat16_bits
+    from sglang_patch.sender import ModelIdentity, to_records
+
+    model = ModelIdentity(capture_layers=(1, 3), hidden_size=HIDDEN, model_fingerprint="tiny@1",
+                          state_dtype="bfloat16", codec="bf16-split")
+    (stored,) = to_records(record, model)
+    decoded = decode_frame(encode_frame(stored, model.codec))
+    assert decoded.schema_version == 2 and decoded.input_embed_spans == ((2, 5), (8, 10))
+    assert float32_from_bfloat16_bits(decoded.input_embeds)[:, 0].tolist() == [-52, -53, -54, -58, -59]
+    assert to_records(by_id["rec-2"], model)[0].schema_version == 1
+
+
+def test_an_image_request_whose_batch_gave_no_embeddings_is_dropped_by_name():
+    emitted, stats = [], CaptureStats()
+    asm = ImageArrivals(stats=stats, emit=emitted.append)
+    chunks = [(image_req(1, 8, [(1, 3)]), 1, 0, 8)]
+    asm.on_extend(*batch(chunks), None)
+    assert emitted == [] and stats.snapshot()["dropped"] == {"image_embeds_missing": 1}
+
+
+def test_live_sampling_takes_requests_with_images_and_plans_them_no_shared_prefix():
+    stats = CaptureStats()
+    selector = Selector(stats=stats, sample_rate=1.0, live_sample_rate=1.0, ttl_s=60.0, prefix_block_tokens=4)
+    plain = SimpleNamespace(custom_params=None)
+    image = SimpleNamespace(rid="a" * 32, sampling_params=plain, cache_salt=None, input_embeds=None,
+                            input_ids=list(range(40)), mm_inputs=SimpleNamespace(mm_items=[object()]))
+    text = SimpleNamespace(rid="b" * 32, sampling_params=plain, cache_salt=None, input_embeds=None,
+                           input_ids=list(range(40)), mm_inputs=None)
+    selector.on_request(image)
+    selector.on_request(text)
+    taken_image, taken_text = selector.take(image.rid), selector.take(text.rid)
+    assert taken_image.images and taken_image.prefix is None and image.cache_salt == f"eagle-tap:{image.rid}"
+    assert not taken_text.images and taken_text.prefix is not None  # text shares prefix blocks as before
+    assert stats.snapshot()["live_selected"] == 2
