@@ -33,7 +33,9 @@ no parts. Its extends also give the target's input embeddings of their tokens (`
 tensor SGLang hands an EAGLE-3 draft); the rows at its image positions (the items' `offsets`) are copied
 with the states, and its record marks those positions and holds them (`capture_format` schema 2). Its
 token ids there are the image placeholder id, not the radix cache's pad values SGLang puts in their
-place, and no loss span covers them.
+place, and no loss span covers them. A tag's loss spans count each image as one token (its placeholder, as
+a client that tokenizes its prompt sends it, one per image, for SGLang to expand): they are moved onto the
+expanded ids here.
 
 What must hold:
 - a record holds exactly the rows of its own request, for every token of the sequence (but the
@@ -54,6 +56,7 @@ What must hold:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from collections.abc import Callable
@@ -80,6 +83,21 @@ class ImageInputs:
     @property
     def num_positions(self) -> int:
         return sum(end - start for start, end in self.spans)
+
+    def expanded_spans(self, spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+        """Spans over the ids with one placeholder per image, moved onto the expanded ids (image k's tokens at
+        spans[k]); a span that covers a placeholder covers its whole image (then cut: `spans_without`)."""
+        sent_starts, shifts, shift = [], [], 0  # image k's placeholder in the sent ids, and the shift past it
+        for start, end in self.spans:
+            sent_starts.append(start - shift)
+            shift += end - start - 1
+            shifts.append(shift)
+
+        def moved(position: int) -> int:
+            index = bisect.bisect_left(sent_starts, position)  # images whose placeholder is before `position`
+            return position + (shifts[index - 1] if index else 0)
+
+        return tuple((moved(start), moved(end)) for start, end in spans)
 
     def positions_in(self, start: int, end: int) -> list[int]:
         """The image positions p with start <= p < end, in order."""
@@ -279,6 +297,9 @@ class CaptureAssembler:
                     continue
                 if selection.images:
                     partial.images = image_inputs_of(req)
+                    if partial.images is not None:
+                        spans = partial.images.expanded_spans(partial.tag.loss_spans)
+                        partial.tag = dataclasses.replace(partial.tag, loss_spans=spans)
             elif prefix_len <= partial.first_row and partial.num_rows > 0:
                 self._stats.add("restarted")  # retracted and prefilled again from its first row
                 self._restart(partial, now)

@@ -242,7 +242,8 @@ def test_a_tagged_image_request_is_captured_with_the_input_embeddings_the_langua
     num_tokens = len(expanded)
     png = io.BytesIO()
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (56, 70, 3), dtype=np.uint8)).save(png, format="PNG")
-    tag = CaptureTag(record_id="kimi-image", sample_id="kimi-image", loss_spans=((num_tokens - 3, num_tokens),),
+    num_sent = num_tokens - (num_features - 1)  # a tag counts each image as one token, its placeholder
+    tag = CaptureTag(record_id="kimi-image", sample_id="kimi-image", loss_spans=((num_sent - 3, num_sent),),
                      metadata={})
     answer = post_json(f"{target.fp32.url}/generate", {
         "text": "<|user|>look<|media_pad|>here<|end|><|assistant|>",
@@ -253,6 +254,7 @@ def test_a_tagged_image_request_is_captured_with_the_input_embeddings_the_langua
     assert record.schema_version == 2 and record.token_ids.tolist() == expanded
     first = expanded.index(media_pad)
     assert record.input_embed_spans == ((first, first + num_features),)
+    assert record.loss_spans == ((num_tokens - 3, num_tokens),)  # moved past the image's other 5 tokens
     assert record.input_embeds.shape == (num_features, record.hidden_size) and record.dtype == "float32"
     hf_model = target.hf_model
     with torch.no_grad():

@@ -358,8 +358,12 @@ def test_a_generate_tag_on_a_request_of_several_samples_is_refused_and_counted()
 
 
 def image_req(number: int, length: int, offsets, placeholder: int = 7):
-    """A request whose prompt has images at `offsets` (SGLang's inclusive pairs), its ids there pad values."""
+    """A request whose prompt has images at `offsets` (SGLang's inclusive pairs), its ids there pad values; its
+    tag's loss span covers every token, counted as the client does: one token per image."""
     req = make_req(number, length)
+    sent_length = length - sum(end - start for start, end in offsets)
+    tag = CaptureTag(record_id=f"rec-{number}", sample_id=f"s-{number}", loss_spans=((0, sent_length),))
+    req.sampling_params = SimpleNamespace(custom_params=tag.to_custom_params())
     for start, end in offsets:
         req.full_untruncated_fill_ids[start : end + 1] = [900_000 + start] * (end - start + 1)
     req.multimodal_inputs = SimpleNamespace(mm_items=[SimpleNamespace(offsets=[pair]) for pair in offsets],
@@ -436,3 +440,18 @@ def test_live_sampling_takes_requests_with_images_and_plans_them_no_shared_prefi
     assert taken_image.images and taken_image.prefix is None and image.cache_salt == f"eagle-tap:{image.rid}"
     assert not taken_text.images and taken_text.prefix is not None  # text shares prefix blocks as before
     assert stats.snapshot()["live_selected"] == 2
+
+
+@pytest.mark.parametrize("sent, expanded", [
+    (((0, 2),), ((0, 2),)),  # before the first image
+    (((3, 6),), ((5, 8),)),  # between the images: past the first one's 3 tokens
+    (((0, 9),), ((0, 12),)),  # over both images: cut around them later (spans_without)
+    (((2, 3),), ((2, 5),)),  # the first placeholder alone: its whole image
+    (((7, 9),), ((10, 12),)),  # after the second image
+])
+def test_tag_spans_count_each_image_as_one_token_and_move_onto_the_expanded_ids(sent, expanded):
+    from sglang_patch.capture import ImageInputs, spans_without
+
+    images = ImageInputs(spans=((2, 5), (8, 10)), placeholder_id=7)  # sent ids: placeholders at 2 and 6
+    assert images.expanded_spans(sent) == expanded
+    assert spans_without(((0, 12),), images.spans) == ((0, 2), (5, 8), (10, 12))
