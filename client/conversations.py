@@ -5,13 +5,17 @@ What must hold:
   1-based line (JSONL) or row (Parquet, datasets) number and what is wrong; a bad row never raises;
 - accepted row shapes: OpenAI `{"messages": [{"role", "content"}, ...]}`, ShareGPT
   `{"conversations": [{"from", "value"}, ...]}` (a top-level `"system"` string is prepended), and
-  `{"prompt": str, "response"|"completion": str}`; content is a string or a list of text parts;
+  `{"prompt": str, "response"|"completion": str}`; content is a string or a list of text parts and, in
+  user and system messages, OpenAI `image_url` parts (a data URL, an http(s) URL, or a local file, read
+  here, relative to the data file's folder): such a message's content holds `IMAGE_MARK` where each
+  image was and its `images` the images as data URLs (or the URL), in order;
 - a conversation's `key` is a digest of its normalized messages, so it does not depend on where the
   row is in the file: a resumed run finds the same key for the same conversation.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import json
@@ -19,7 +23,14 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BadRow", "Conversation", "count_rows", "data_format", "messages_from_row", "read_conversations"]
+__all__ = ["IMAGE_MARK", "BadRow", "Conversation", "count_rows", "data_format", "messages_from_row",
+           "read_conversations"]
+
+IMAGE_MARK = "<eagle-tap:image>"
+"""Where an image part was in a message's text; the chat tokenizer puts the target's placeholder there."""
+MAX_IMAGE_NBYTES = 20 << 20
+IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".webp": "image/webp",
+               ".gif": "image/gif", ".bmp": "image/bmp"}
 
 ROLE_ALIASES: dict[str, str] = {
     "system": "system",
@@ -59,20 +70,58 @@ class BadRow:
         return f"{self.source}:{self.line}: bad row: {self.reason}"
 
 
-def _content_text(content: object, where: str) -> str:
+def _image_url(part: Mapping, where: str, base_dir: Path | None) -> str:
+    """The image of an `image_url` part as a URL SGLang loads: a data URL (a local file is read into one)."""
+    entry = part.get("image_url")
+    url = entry.get("url") if isinstance(entry, Mapping) else entry
+    if not isinstance(url, str) or not url:
+        raise BadRowError(f"{where}: an image_url part needs {{\"image_url\": {{\"url\": ...}}}}, got "
+                          f"{str(part)[:60]!r}")
+    if url.startswith(("data:image/", "http://", "https://")):
+        return url
+    path = Path(url.removeprefix("file://"))
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    kind = IMAGE_TYPES.get(path.suffix.lower())
+    if kind is None:
+        raise BadRowError(f"{where}: image {url[:80]!r} is not a data URL, an http(s) URL or an image file "
+                          f"({', '.join(IMAGE_TYPES)})")
+    try:
+        size = path.stat().st_size
+        if size > MAX_IMAGE_NBYTES:
+            raise BadRowError(f"{where}: image {url[:80]!r} is {size} bytes; at most {MAX_IMAGE_NBYTES} are sent")
+        data = path.read_bytes()
+    except OSError as err:
+        raise BadRowError(f"{where}: cannot read image {url[:80]!r}: {err.strerror or err}") from None
+    return f"data:{kind};base64,{base64.b64encode(data).decode()}"
+
+
+def _content(content: object, where: str, base_dir: Path | None, images_allowed: bool) -> tuple[str, list[str]]:
+    """(text with IMAGE_MARK at each image, the images' URLs in order)."""
     if isinstance(content, str):
-        return content
+        if IMAGE_MARK in content:
+            raise BadRowError(f"{where}: the text holds {IMAGE_MARK!r}, which marks images here")
+        return content, []
     if isinstance(content, list):  # OpenAI content parts
-        texts = []
+        texts, images = [], []
         for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise BadRowError(f"{where}: only text content parts are supported, got {str(part)[:60]!r}")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise BadRowError(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                if IMAGE_MARK in part["text"]:
+                    raise BadRowError(f"{where}: the text holds {IMAGE_MARK!r}, which marks images here")
+                texts.append(part["text"])
+            elif kind == "image_url" and images_allowed:
+                images.append(_image_url(part, where, base_dir))
+                texts.append(IMAGE_MARK)
+            else:
+                accepted = "text and image_url" if images_allowed else "text"
+                raise BadRowError(f"{where}: only {accepted} content parts are supported here, got {str(part)[:60]!r}")
+        return "".join(texts), images
+    raise BadRowError(f"{where}: content must be a string or a list of content parts, got {type(content).__name__}")
 
 
-def _message(entry: object, index: int, role_key: str, content_key: str) -> dict[str, str]:
+def _message(entry: object, index: int, role_key: str, content_key: str,
+             base_dir: Path | None = None) -> dict[str, Any]:
     where = f"message {index}"
     if not isinstance(entry, Mapping):
         raise BadRowError(f"{where} must be an object, got {type(entry).__name__}")
@@ -82,15 +131,19 @@ def _message(entry: object, index: int, role_key: str, content_key: str) -> dict
     role = ROLE_ALIASES.get(raw_role.lower()) if isinstance(raw_role, str) else None
     if role is None:
         raise BadRowError(f"{where}: unknown role {raw_role!r}; accepted: {', '.join(ROLE_ALIASES)}")
-    message = {"role": role, "content": _content_text(entry[content_key], where)}
+    text, images = _content(entry[content_key], where, base_dir, images_allowed=role != "assistant")
+    message: dict[str, Any] = {"role": role, "content": text}
+    if images:
+        message["images"] = images
     reasoning = entry.get("reasoning_content")
     if role == "assistant" and isinstance(reasoning, str) and reasoning:
         message["reasoning_content"] = reasoning
     return message
 
 
-def messages_from_row(row: object) -> list[dict[str, str]]:
-    """The row's messages in chat-template form; raises `BadRowError` saying what is wrong."""
+def messages_from_row(row: object, base_dir: Path | None = None) -> list[dict[str, Any]]:
+    """The row's messages in chat-template form (image files relative to base_dir); raises `BadRowError`
+    saying what is wrong."""
     if not isinstance(row, Mapping):
         raise BadRowError(f"a row must be a JSON object, got {type(row).__name__}")
     if "messages" in row:
@@ -110,7 +163,7 @@ def messages_from_row(row: object) -> list[dict[str, str]]:
         raise BadRowError(f"no conversation: expected 'messages', 'conversations' or 'prompt', found {sorted(row)[:8]}")
     if not isinstance(entries, list) or not entries:
         raise BadRowError("the conversation must be a non-empty list of messages")
-    messages = [_message(entry, index, role_key, content_key) for index, entry in enumerate(entries)]
+    messages = [_message(entry, index, role_key, content_key, base_dir) for index, entry in enumerate(entries)]
     first_turn = next((message["role"] for message in messages if message["role"] != "system"), None)
     if first_turn == "assistant":
         raise BadRowError("the conversation starts with an assistant message; it must start with a user message")
@@ -126,9 +179,9 @@ def conversation_key(messages: list[dict[str, str]]) -> str:
     return hashlib.blake2b(canonical.encode(), digest_size=12).hexdigest()
 
 
-def _item(row: object, source: str, line: int) -> Conversation | BadRow:
+def _item(row: object, source: str, line: int, base_dir: Path | None = None) -> Conversation | BadRow:
     try:
-        messages = messages_from_row(row)
+        messages = messages_from_row(row, base_dir)
     except BadRowError as err:
         return BadRow(source, line, str(err))
     return Conversation(tuple(messages), source, line, conversation_key(messages))
@@ -147,7 +200,7 @@ def _read_jsonl(path: Path) -> Iterator[Conversation | BadRow]:
                 reason = err.msg if isinstance(err, json.JSONDecodeError) else str(err)
                 yield BadRow(path.name, line_number, f"not valid JSON{where}: {reason}")
                 continue
-            yield _item(row, path.name, line_number)
+            yield _item(row, path.name, line_number, path.parent)
 
 
 def _read_parquet(path: Path) -> Iterator[Conversation | BadRow]:
@@ -157,7 +210,7 @@ def _read_parquet(path: Path) -> Iterator[Conversation | BadRow]:
     for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
         for row in batch.to_pylist():
             row_number += 1
-            yield _item(row, path.name, row_number)
+            yield _item(row, path.name, row_number, path.parent)
 
 
 def _load_hf_folder(path: Path, split: str | None) -> Any:
@@ -175,7 +228,7 @@ def _load_hf_folder(path: Path, split: str | None) -> Any:
 
 def _read_hf_folder(path: Path, split: str | None) -> Iterator[Conversation | BadRow]:
     for row_number, row in enumerate(_load_hf_folder(path, split), start=1):
-        yield _item(row, path.name, row_number)
+        yield _item(row, path.name, row_number, path)
 
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")

@@ -108,6 +108,9 @@ async def build_sequences(chat: ChatTokenizer, conversation: Conversation, plann
     """
     if mode == "as-is":
         return _as_is(chat, conversation.messages, planned), {}
+    if any("images" in message for message in conversation.messages):
+        raise SpanError("--regenerate does not send images yet: capture conversations with images as they are "
+                        "(--as-is)")
     whole = planned[0].turn is None
     if whole:  # fail before spending generations on a conversation the template cannot mask
         chat.tokenize_conversation(_placeholder_answers(conversation.messages))
@@ -140,7 +143,8 @@ def capture_payload(sequence: TokenizedSequence, *, record_id: str, sample_id: s
         raise SpanError("no assistant tokens")  # never send an unmasked record
     tag = CaptureTag(record_id=record_id, sample_id=sample_id, loss_spans=sequence.spans, metadata=metadata)
     return {
-        "input_ids": list(sequence.input_ids),
+        "input_ids": list(sequence.input_ids),  # one placeholder per image: SGLang expands it
+        **({"image_data": list(sequence.images)} if sequence.images else {}),
         "cache_salt": uuid.uuid4().hex,
         "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
                             "custom_params": tag.to_custom_params()},

@@ -14,7 +14,11 @@ What must hold for every `TokenizedSequence` built here:
 - both renders above tokenize to a prefix of the full sequence. A template that breaks this (one that
   rewrites earlier turns, e.g. drops their reasoning, or a tokenizer merge across a boundary) makes
   the conversation fail with a `SpanError` that names the message: spans are never guessed;
-- a sequence without any assistant token is a `SpanError`, never an all-ones mask.
+- a sequence without any assistant token is a `SpanError`, never an all-ones mask;
+- images: the template renders the target's image placeholder where a message had an image
+  (`conversations.IMAGE_MARK`), and the sequence holds it once per image, as SGLang expects ids before
+  it expands each image to its features; `images` are the images in that order, and spans count each
+  image as that one token (the capture plugin moves them onto the expanded ids).
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ChatTokenizer", "SpanError", "TokenizedSequence"]
+from client.conversations import IMAGE_MARK
+
+__all__ = ["IMAGE_PLACEHOLDERS", "ChatTokenizer", "SpanError", "TokenizedSequence", "image_placeholder"]
 
 Messages = Sequence[dict[str, str]]
 
@@ -43,6 +49,8 @@ class TokenizedSequence:
     """Half-open [start, end) ranges of assistant tokens, sorted, over the unshifted sequence."""
     turns: tuple[int, ...]
     """Index (in the message list) of the assistant message each span comes from."""
+    images: tuple[str, ...] = ()
+    """The images of the sequence's messages, in order (URLs SGLang loads: `image_data`)."""
 
     @property
     def num_loss_tokens(self) -> int:
@@ -56,13 +64,34 @@ def _is_prefix(prefix: Sequence[int], full: Sequence[int]) -> bool:
     return len(prefix) <= len(full) and list(full[: len(prefix)]) == list(prefix)
 
 
+IMAGE_PLACEHOLDERS = {
+    "<|media_pad|>": ("<|media_start|>", "image<|media_content|>", "<|media_end|>"),  # Kimi-K2.5
+    "<|image_pad|>": ("<|vision_start|>", "", "<|vision_end|>"),  # Qwen2.5-VL, Qwen3-VL
+}
+"""The image placeholder token of each vision target known here, and the text its template puts around it
+(used where the tokenizer has the opening token: start, text after it, end)."""
+
+
+def image_placeholder(tokenizer: Any) -> tuple[str, int] | None:
+    """(the text an image becomes in a prompt, the placeholder's id) for a tokenizer of a known vision target."""
+    vocab = tokenizer.get_vocab()
+    for token, (opening, after_opening, closing) in IMAGE_PLACEHOLDERS.items():
+        if token in vocab:
+            wrapped = opening in vocab and closing in vocab
+            return (f"{opening}{after_opening}{token}{closing}" if wrapped else token), vocab[token]
+    return None
+
+
 class ChatTokenizer:
     """The target's tokenizer and chat template, with the stop tokens that end an assistant turn."""
 
-    def __init__(self, tokenizer: Any, stop_token_ids: Iterable[int], template_kwargs: dict[str, Any] | None = None):
+    def __init__(self, tokenizer: Any, stop_token_ids: Iterable[int], template_kwargs: dict[str, Any] | None = None,
+                 image: tuple[str, int] | None = None):
         self.tokenizer = tokenizer
         self.stop_token_ids = frozenset(int(token) for token in stop_token_ids)
         self.template_kwargs = dict(template_kwargs or {})
+        self.image = image
+        """(the text an image becomes in a prompt, the placeholder token's id); None: the target takes no image."""
         if not self.stop_token_ids:
             raise ValueError("no stop token: the tokenizer has no eos token; pass the end-of-turn token ids")
 
@@ -85,10 +114,25 @@ class ChatTokenizer:
         if generation_config.is_file():
             eos = json.loads(generation_config.read_text()).get("eos_token_id")
             stop_ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        return cls(tokenizer, stop_ids, template_kwargs)
+        return cls(tokenizer, stop_ids, template_kwargs, image_placeholder(tokenizer))
+
+    def _for_template(self, messages: Messages) -> list[dict[str, Any]]:
+        """The messages as the template takes them: the placeholder text where each image was."""
+        rendered = []
+        for message in messages:
+            if "images" not in message:
+                rendered.append(message)
+                continue
+            if self.image is None:
+                raise SpanError("a message has an image, and the target's tokenizer has no image placeholder token "
+                                f"known here ({', '.join(IMAGE_PLACEHOLDERS)})")
+            rendered.append({key: value.replace(IMAGE_MARK, self.image[0]) if key == "content" else value
+                             for key, value in message.items() if key != "images"})
+        return rendered
 
     def render_text(self, messages: Messages, *, add_generation_prompt: bool) -> str:
-        """`messages` through the chat template, as text."""
+        """`messages` through the chat template, as text (an image as the target's placeholder)."""
+        messages = self._for_template(messages)
         try:
             return self.tokenizer.apply_chat_template(
                 list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs)
@@ -149,7 +193,12 @@ class ChatTokenizer:
                 span_turns.append(index)
         if not spans:
             raise SpanError("no assistant tokens: the conversation has no non-empty assistant turn")
-        return TokenizedSequence(tuple(full_ids), tuple(spans), tuple(span_turns))
+        images = tuple(image for message in messages for image in message.get("images", ()))
+        if images and list(full_ids).count(self.image[1]) != len(images):
+            raise SpanError(f"the conversation has {len(images)} images and its rendered prompt holds "
+                            f"{list(full_ids).count(self.image[1])} image placeholders: the template or the "
+                            "text changes them")
+        return TokenizedSequence(tuple(full_ids), tuple(spans), tuple(span_turns), images)
 
     def tokenize_conversation(self, messages: Messages) -> TokenizedSequence:
         """The whole conversation (through its last assistant message) with a span per assistant message."""

@@ -219,18 +219,23 @@ def test_fp32_greedy_answers_equal_transformers(target):
 
 
 def test_a_tagged_image_request_is_captured_with_the_input_embeddings_the_language_model_read(target, collector,
-                                                                                           random_target):
+                                                                                           random_target, tmp_path):
     """Kimi-K2.5's tower runs on SGLang's CPU path. The record holds the ids as the server expanded them (the
     placeholder once per image feature), marks the image positions, holds the target's input embeddings
     there, and its states equal transformers' DeepSeek-V3 run on exactly those embeddings (fp32): wrong rows
-    of embeddings, or a placeholder's embedding in their place, would give other states."""
+    of embeddings, or a placeholder's embedding in their place, would give other states. Then the same image in
+    a conversation fired by `eagle-tap fire`: the same embeddings, its answer's span moved past the image."""
     if target.case.arch != "kimi_k25":
         pytest.skip("only the Kimi-K2.5 target takes images")
     import base64
-    import io
+    import json
+    import subprocess
+    import sys
 
-    from PIL import Image
     from transformers import AutoTokenizer
+
+    from client.conversations import read_conversations
+    from client.spans import ChatTokenizer
 
     from capture_format.tag import CaptureTag
     from eagle_tap.serve.http_api import post_json
@@ -240,14 +245,13 @@ def test_a_tagged_image_request_is_captured_with_the_input_embeddings_the_langua
     expanded = tokenizer("<|user|>look" + "<|media_pad|>" * num_features + "here<|end|><|assistant|>",
                          add_special_tokens=False)["input_ids"]
     num_tokens = len(expanded)
-    png = io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (56, 70, 3), dtype=np.uint8)).save(png, format="PNG")
+    image = Path(__file__).parent / "fixtures" / "images" / "noise-56x70.png"  # scripts/make_test_images.py
     num_sent = num_tokens - (num_features - 1)  # a tag counts each image as one token, its placeholder
     tag = CaptureTag(record_id="kimi-image", sample_id="kimi-image", loss_spans=((num_sent - 3, num_sent),),
                      metadata={})
     answer = post_json(f"{target.fp32.url}/generate", {
         "text": "<|user|>look<|media_pad|>here<|end|><|assistant|>",
-        "image_data": ["data:image/png;base64," + base64.b64encode(png.getvalue()).decode()],
+        "image_data": ["data:image/png;base64," + base64.b64encode(image.read_bytes()).decode()],
         "sampling_params": {"max_new_tokens": 2, "temperature": 0, "custom_params": tag.to_custom_params()}})
     assert answer["meta_info"]["image_tokens"] == num_features
     record = stored_record(collector, "kimi-image")
@@ -272,3 +276,25 @@ def test_a_tagged_image_request_is_captured_with_the_input_embeddings_the_langua
     generate(target.fp32, random_ids(4, 9), record_id="kimi-after-image")  # a later text record is schema 1
     after = stored_record(collector, "kimi-after-image")
     assert after.token_ids.tolist() == random_ids(4, 9) and after.schema_version == 1
+
+    data = tmp_path / "images.jsonl"
+    data.write_text(json.dumps({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "what is "},
+                                     {"type": "image_url", "image_url": {"url": str(image)}}]},
+        {"role": "assistant", "content": "a picture of noise"}]}) + "\n")
+    fired = subprocess.run([sys.executable, "-m", "eagle_tap.cli", "fire", "--server", target.fp32.url,
+                            "--collector", collector.url, "--data", str(data), "--out", str(tmp_path / "run"),
+                            "--run-id", "kimi-fire", "--tokenizer", str(random_target("kimi_k25")),
+                            "--trust-remote-code", "--progress", "off"], capture_output=True, text=True, timeout=300)
+    assert fired.returncode == 0, fired.stdout[-2000:] + fired.stderr[-2000:]
+    (conversation,) = read_conversations(data)
+    chat = ChatTokenizer.from_pretrained(random_target("kimi_k25"), trust_remote_code=True)
+    sent = chat.tokenize_conversation(conversation.messages)  # one placeholder for the image
+    fire_record = stored_record(collector, f"kimi-fire:{conversation.key}:conv")
+    at = sent.input_ids.index(media_pad)
+    assert fire_record.token_ids.tolist() == [*sent.input_ids[:at], *[media_pad] * num_features,
+                                              *sent.input_ids[at + 1 :]]
+    assert fire_record.input_embed_spans == ((at, at + num_features),)
+    assert fire_record.loss_spans == tuple((start + num_features - 1, end + num_features - 1)
+                                           for start, end in sent.spans)
+    np.testing.assert_array_equal(fire_record.input_embeds, record.input_embeds)  # one image, one tower output

@@ -37,7 +37,7 @@ def test_bad_rows_are_reported_with_their_line_and_never_raise():
     assert sorted(bad) == [2, 3, 4, 5, 6, 7, 8, 12, 13]
     assert "not valid JSON" in bad[2] and "JSON object" in bad[3] and "unknown role 'wizard'" in bad[4]
     assert "'role' and 'content'" in bad[5] and "non-empty" in bad[6] and "got int" in bad[7]
-    assert "expected 'messages'" in bad[8] and "text content parts" in bad[12]
+    assert "expected 'messages'" in bad[8] and "image 'x' is not a data URL, an http(s) URL or an image file" in bad[12]
     assert "starts with an assistant message" in bad[13]
     assert str(next(item for item in items if isinstance(item, BadRow))).startswith("conversations_broken.jsonl:2:")
     assert count_rows(BROKEN) == len(items)
