@@ -58,12 +58,14 @@ class RegeneratedTurn:
     generated_ids: tuple[int, ...]
     finish_reason: str
     """SGLang's finish reason type: `stop` (ended with a stop token) or `length` (cut by max_new_tokens)."""
+    images: tuple[str, ...] = ()
+    """The images of the prompt, in order (sent as `image_data`; the prompt holds one placeholder each)."""
 
     def sequence(self) -> TokenizedSequence:
         """prompt + generated ids, with the generated ids as the span."""
         start = len(self.prompt_ids)
         ids = self.prompt_ids + self.generated_ids
-        return TokenizedSequence(ids, ((start, len(ids)),), (self.index,))
+        return TokenizedSequence(ids, ((start, len(ids)),), (self.index,), self.images)
 
 
 def turns_to_generate(messages: Sequence[dict[str, str]]) -> tuple[list[dict[str, str]], list[int]]:
@@ -96,18 +98,20 @@ async def regenerate_turns(chat: ChatTokenizer, messages: Sequence[dict[str, str
     regenerated = []
     for index in turns:
         prompt_ids = chat.render_ids(messages[:index], add_generation_prompt=True)
+        images = tuple(image for message in messages[:index] for image in message.get("images", ()))
         sampling_params = _sampling_params(config, chat.stop_token_ids)
         custom_params = tag_turn(index, tuple(prompt_ids), messages) if tag_turn is not None else None
         # A turn not captured by this request opts out of the server's live sampling: fire decides what
         # it captures, and a turn generated only as history must not come back as a live record.
         sampling_params["custom_params"] = custom_params if custom_params is not None else OPT_OUT
-        answer = await generate({"input_ids": prompt_ids, "sampling_params": sampling_params})
+        answer = await generate({"input_ids": prompt_ids, **({"image_data": list(images)} if images else {}),
+                                 "sampling_params": sampling_params})
         generated_ids = tuple(int(token) for token in answer["output_ids"])
         if not generated_ids:
             raise SpanError(f"the target generated nothing for message {index}")
         finish = answer["meta_info"].get("finish_reason") or {}
         regenerated.append(RegeneratedTurn(index=index, prompt_ids=tuple(prompt_ids), generated_ids=generated_ids,
-                                           finish_reason=str(finish.get("type", "unknown"))))
+                                           finish_reason=str(finish.get("type", "unknown")), images=images))
         text_ids = generated_ids[:-1] if generated_ids[-1] in chat.stop_token_ids else generated_ids
         messages[index] = {"role": "assistant", "content": chat.decode(text_ids)}  # reasoning is inline now
     return messages, regenerated
@@ -134,4 +138,4 @@ def conversation_sequence(chat: ChatTokenizer, messages: Sequence[dict[str, str]
                                            last.prompt_ids)
     spans.append((len(last.prompt_ids), len(ids)))
     span_turns.append(last.index)
-    return TokenizedSequence(ids, tuple(spans), tuple(span_turns))
+    return TokenizedSequence(ids, tuple(spans), tuple(span_turns), last.images)

@@ -108,9 +108,6 @@ async def build_sequences(chat: ChatTokenizer, conversation: Conversation, plann
     """
     if mode == "as-is":
         return _as_is(chat, conversation.messages, planned), {}
-    if any("images" in message for message in conversation.messages):
-        raise SpanError("--regenerate does not send images yet: capture conversations with images as they are "
-                        "(--as-is)")
     whole = planned[0].turn is None
     if whole:  # fail before spending generations on a conversation the template cannot mask
         chat.tokenize_conversation(_placeholder_answers(conversation.messages))

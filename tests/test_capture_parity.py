@@ -298,3 +298,19 @@ def test_a_tagged_image_request_is_captured_with_the_input_embeddings_the_langua
     assert fire_record.loss_spans == tuple((start + num_features - 1, end + num_features - 1)
                                            for start, end in sent.spans)
     np.testing.assert_array_equal(fire_record.input_embeds, record.input_embeds)  # one image, one tower output
+
+    # --regenerate: the target answers with the image in its prompt, captured in that one pass.
+    regenerated = subprocess.run([sys.executable, "-m", "eagle_tap.cli", "fire", "--server", target.fp32.url,
+                                  "--collector", collector.url, "--data", str(data), "--out", str(tmp_path / "regen"),
+                                  "--run-id", "kimi-regen", "--regenerate", "--temperature", "0",
+                                  "--max-new-tokens", "4", "--tokenizer", str(random_target("kimi_k25")),
+                                  "--trust-remote-code", "--progress", "off"], capture_output=True, text=True,
+                                 timeout=300)
+    assert regenerated.returncode == 0, regenerated.stdout[-2000:] + regenerated.stderr[-2000:]
+    regen_record = stored_record(collector, f"kimi-regen:{conversation.key}:conv")
+    sent_prompt = chat.render_ids(conversation.messages[:1], add_generation_prompt=True)  # one placeholder
+    prompt_length = len(sent_prompt) + num_features - 1
+    assert regen_record.token_ids.tolist()[: at + num_features] == fire_record.token_ids.tolist()[: at + num_features]
+    assert regen_record.input_embed_spans == ((at, at + num_features),)
+    assert regen_record.loss_spans == ((prompt_length, regen_record.num_tokens),)  # the generated answer
+    np.testing.assert_array_equal(regen_record.input_embeds, record.input_embeds)

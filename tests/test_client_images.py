@@ -102,3 +102,24 @@ def test_a_target_without_an_image_placeholder_refuses_an_image_conversation():
     with pytest.raises(SpanError, match="the target's tokenizer has no image placeholder token"):
         chat.tokenize_conversation([{"role": "user", "content": IMAGE_MARK, "images": ["data:image/png;base64,A"]},
                                     {"role": "assistant", "content": "x"}])
+
+
+def test_regeneration_requests_send_the_images_of_their_prompt(tmp_path):
+    import asyncio
+
+    from client.regenerate import SamplingConfig, regenerate_turns
+
+    chat = kimi_chat(tmp_path)
+    image = "data:image/png;base64,AAAA"
+    messages = [{"role": "user", "content": f"look {IMAGE_MARK}", "images": [image]},
+                {"role": "assistant", "content": "old answer"}, {"role": "user", "content": "and now?"}]
+    sent = []
+
+    async def generate(payload):
+        sent.append(payload)
+        return {"output_ids": [11, 12, chat.tokenizer.eos_token_id], "meta_info": {"finish_reason": {"type": "stop"}}}
+
+    _, turns = asyncio.run(regenerate_turns(chat, messages, generate, SamplingConfig(temperature=0)))
+    assert [payload["image_data"] for payload in sent] == [[image], [image]]  # both prompts hold the image
+    assert [payload["input_ids"].count(MEDIA_PLACEHOLDER_ID) for payload in sent] == [1, 1]
+    assert all(turn.sequence().images == (image,) for turn in turns)
