@@ -56,7 +56,7 @@ def expected_inputs(record: cf.CaptureRecord, draft: model.Eagle3Draft, step: in
     by_position = table[torch.from_numpy(record.token_ids.astype(np.int64))].clone()  # (T, H)
     image_positions = np.flatnonzero(record.input_embed_mask()) if record.input_embeds is not None else []
     for row, position in enumerate(image_positions):
-        by_position[position] = torch.from_numpy(record.input_embeds[row])
+        by_position[position] = torch.from_numpy(np.array(record.input_embeds[row]))
     by_position = torch.cat([by_position, table[0].expand(step + 1, HIDDEN)])  # rows past the end read id 0
     return by_position[1 + step : NUM_TOKENS + step]
 
