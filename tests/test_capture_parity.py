@@ -63,8 +63,9 @@ CASES = [
     # Ids 3 5 6 (the default) are taken as they are; a first id of 1 shifts every id by one.
     Case(arch="deepseek_v3", default_layers=(3, 5, 6), custom_args=_hand_ids(1, 3, 5), custom_layers=(2, 4, 6)),
     # The wrapper hands the ids to its language model: DeepSeek's rule.
+    # Its custom server also samples all live traffic: the image test sends it an untagged image request.
     Case(arch="kimi_k25", default_layers=(3, 5, 6), custom_args=_hand_ids(1, 3, 5), custom_layers=(2, 4, 6),
-         server_args=("--trust-remote-code",)),
+         custom_env=(("EAGLE_TAP_LIVE_SAMPLE_RATE", "1.0"),), server_args=("--trust-remote-code",)),
 ]
 
 
@@ -223,8 +224,9 @@ def test_a_tagged_image_request_is_captured_with_the_input_embeddings_the_langua
     """Kimi-K2.5's tower runs on SGLang's CPU path. The record holds the ids as the server expanded them (the
     placeholder once per image feature), marks the image positions, holds the target's input embeddings
     there, and its states equal transformers' DeepSeek-V3 run on exactly those embeddings (fp32): wrong rows
-    of embeddings, or a placeholder's embedding in their place, would give other states. Then the same image in
-    a conversation fired by `eagle-tap fire`: the same embeddings, its answer's span moved past the image."""
+    of embeddings, or a placeholder's embedding in their place, would give other states. The same image as live
+    traffic of the bf16 server (captured in one pass), and in a conversation fired by `eagle-tap fire`, as
+    is and regenerated: the same embeddings, the answer's span moved past the image."""
     if target.case.arch != "kimi_k25":
         pytest.skip("only the Kimi-K2.5 target takes images")
     import base64
@@ -234,6 +236,7 @@ def test_a_tagged_image_request_is_captured_with_the_input_embeddings_the_langua
 
     from transformers import AutoTokenizer
 
+    from capture_format import float32_from_bfloat16_bits
     from client.conversations import read_conversations
     from client.spans import ChatTokenizer
 
@@ -270,6 +273,17 @@ def test_a_tagged_image_request_is_captured_with_the_input_embeddings_the_langua
     print(check_record(record, reference, layers=target.case.default_layers, metric=relative_error,
                        tolerance=FP32_REL_TOL, what="kimi image fp32"))
     assert not torch.allclose(placeholder, torch.from_numpy(np.array(record.input_embeds[0])), atol=1e-3)
+    # Live: an untagged image request to the bf16 server that samples all traffic is captured in one pass.
+    image_data = ["data:image/png;base64," + base64.b64encode(image.read_bytes()).decode()]
+    post_json(f"{target.custom.url}/generate", {
+        "text": "<|user|>look<|media_pad|>here<|end|><|assistant|>", "image_data": image_data,
+        "rid": "kimi-live-image", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    live = stored_record(collector, "live-kimi-live-image")
+    assert live.token_ids.tolist()[:num_tokens] == expanded and live.num_tokens == num_tokens + 3
+    assert live.input_embed_spans == record.input_embed_spans and live.loss_spans == ((num_tokens, num_tokens + 3),)
+    live_error = median_token_error(float32_from_bfloat16_bits(live.input_embeds), np.array(record.input_embeds))
+    print(f"kimi live image bf16: input embeddings' median token error against the fp32 record {live_error:.2e}")
+    assert live.dtype == "bfloat16" and live_error < 0.01, live_error
     stats = wait_for(lambda: (s := read_stats(target.fp32_spool)).get("captured_images") and s, 30,
                      "the plugin's count of image captures")
     assert stats["captured_images"] == 1 and "tagged_not_token_ids" not in stats["dropped"]
