@@ -143,3 +143,52 @@ def test_image_records_reach_a_batch_through_shards_and_windows(tmp_path):
     for (first, end), rows in zip(windows, shifted):
         assert rows["input_embed_mask"].tolist() == whole["input_embed_mask"][first:end].tolist()
         np.testing.assert_array_equal(rows["input_embeds"], whole["input_embeds"][first:end])
+
+
+def test_a_run_trains_and_evaluates_on_shards_mixing_image_and_text_records(tmp_path, monkeypatch):
+    """The whole loader path (shards, windows, packing, collate) with image records in it:
+    training and its held-out eval run to the end with finite losses."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import trainer_data
+    from trainer.config_io import config_from_dict
+    from trainer.train import Config, train
+
+    inputs = trainer_data.prepared_inputs()
+    text = trainer_data.capture_records(0, 12)
+    rng = np.random.default_rng(3)
+    mixed = []
+    for index, record in enumerate(text):
+        first_loss = record.loss_spans[0][0]
+        if index % 2 or first_loss < 6:
+            mixed.append(record)
+            continue
+        spans = ((2, min(6, first_loss)),)  # a prompt stretch before the first answer: an image there
+        mixed.append(cf.CaptureRecord(
+            record_id=f"img-{index}", sample_id=record.sample_id, model_fingerprint=record.model_fingerprint,
+            capture_layers=record.capture_layers, hidden_size=record.hidden_size, dtype=record.dtype,
+            token_ids=record.token_ids, loss_spans=record.loss_spans, aux=record.aux, final=record.final,
+            input_embed_spans=spans, input_embeds=cf.bfloat16_bits_from_float32(
+                rng.standard_normal((spans[0][1] - spans[0][0], record.hidden_size)).astype(np.float32))))
+    assert sum(record.input_embeds is not None for record in mixed) >= 3
+    shards = tmp_path / "shards"
+    cf.write_shards(mixed, shards, records_per_shard=5)
+    settings = {
+        "target": str(inputs["target"]), "draft_config": str(inputs["draft_config"]), "vocab": str(inputs["vocab"]),
+        "out_dir": str(tmp_path / "run"), "eval_shards": str(shards),
+        "data": {"shards": str(shards), "batch_size": 3, "max_length": 64, "packing": True},
+        "objective": {"ttt_steps": 2}, "num_steps": 4, "log_every": 2, "checkpoint_every": 0, "num_threads": 1,
+        "progress_bar": False}
+    with_images = []
+    unroll = ttt.Eagle3Objective.unroll
+
+    def counting_unroll(self, batch, *args, **kwargs):
+        with_images.append(int(batch["input_embed_mask"].sum()) if "input_embed_mask" in batch else 0)
+        return unroll(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(ttt.Eagle3Objective, "unroll", counting_unroll)
+    summary = train(config_from_dict(Config, settings))
+    assert summary["eval"]["num_tokens"] > 0 and all(np.isfinite(summary["eval"]["step_losses"]))
+    assert sum(count > 0 for count in with_images) >= 2, with_images  # training and eval batches with images
