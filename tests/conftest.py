@@ -62,6 +62,12 @@ def pytest_configure(config: pytest.Config) -> None:
 # Runs after pytest's reordering by fixture parameters (a plugin registered later, so called first) and before
 # `-m` selects by the tier markers added here.
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # `@pytest.mark.for_params("kimi_k25")`: a test of a parametrized module fixture that applies to some of its
+    # parameters only is not collected for the others (rather than skipped there: it hides nothing).
+    kept = [item for item in items if _for_these_params(item)]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
     rank = {name: index for index, name in enumerate(HEAVIEST_MODULES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a module is kept
     for item in items:
@@ -73,6 +79,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
     for item in gpu_items:
         item.add_marker(skip_gpu)
+
+
+def _for_these_params(item: pytest.Item) -> bool:
+    marker = item.get_closest_marker("for_params")
+    callspec = getattr(item, "callspec", None)
+    return marker is None or callspec is None or any(part in marker.args for part in callspec.id.split("-"))
 
 
 @pytest.fixture(scope="session")

@@ -219,6 +219,7 @@ def test_fp32_greedy_answers_equal_transformers(target):
     assert served == reference, (target.case.arch, served, reference)
 
 
+@pytest.mark.for_params("kimi_k25")  # the one target here that takes images
 def test_a_tagged_image_request_is_captured_with_the_input_embeddings_the_language_model_read(target, collector,
                                                                                            random_target, tmp_path):
     """Kimi-K2.5's tower runs on SGLang's CPU path. The record holds the ids as the server expanded them (the
@@ -227,8 +228,6 @@ def test_a_tagged_image_request_is_captured_with_the_input_embeddings_the_langua
     of embeddings, or a placeholder's embedding in their place, would give other states. The same image as live
     traffic of the bf16 server (captured in one pass), and in a conversation fired by `eagle-tap fire`, as
     is and regenerated: the same embeddings, the answer's span moved past the image."""
-    if target.case.arch != "kimi_k25":
-        pytest.skip("only the Kimi-K2.5 target takes images")
     import base64
     import json
     import subprocess
