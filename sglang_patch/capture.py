@@ -47,8 +47,9 @@ What must hold:
   are cut only within the tokens the request already has, and never take its newest row (nor, in
   generate mode, the one before: the overlap scheduler may run a step past the last token);
 - the only work done here is copying the captured rows off the device, once per forward for all
-  captured requests (`device_copy.py`: never waits for the device on CUDA); compression and I/O
-  happen in the sender thread;
+  captured requests (`device_copy.py`: never waits for the device on CUDA; an image request's
+  embedding rows are the exception: a plain copy, which waits on CUDA, once per extend that holds image
+  positions, not yet through the row copier); compression and I/O happen in the sender thread;
 - every host buffer a dropped capture holds is released (a leaked pinned slab would starve capture);
 - requests that are not captured cost one dict lookup each; a DECODE batch costs nothing while no
   generate capture is running.
