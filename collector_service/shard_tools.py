@@ -190,10 +190,14 @@ def print_stats(data_dir: Path | str, *, out: TextIO) -> None:
               "indexes only)", file=out)
         return
     served, served_problems = [], []
+    images = [0, 0]  # records with images, their image positions
 
     def take_served_draft(entry: IndexEntry, info: FrameInfo) -> None:
         if is_prefix_block(entry.record_id):
             return  # shared-prefix blocks are parts of records, not records
+        if info.input_embed_spans:
+            images[0] += 1
+            images[1] += sum(end - start for start, end in info.input_embed_spans)
         try:
             served.append(ServedDraft.from_metadata(info.metadata))
         except InvalidRecordError as err:
@@ -201,6 +205,9 @@ def print_stats(data_dir: Path | str, *, out: TextIO) -> None:
 
     for problem in _print_codecs(data_dir, out, on_header=take_served_draft):  # one pass over the headers
         print(f"  {problem}", file=out)
+    if images[0]:
+        print(f"records with images: {images[0]:,} ({images[1]:,} image positions, with the target's input "
+              "embeddings there)", file=out)
     _print_served_drafts(served, served_problems, out)
 
 

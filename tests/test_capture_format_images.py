@@ -181,3 +181,14 @@ def test_image_records_are_stored_in_shards_and_read_back_whole(tmp_path):
                 np.testing.assert_array_equal(read.input_embeds, record.input_embeds)
     shard_paths = sorted(tmp_path.glob(f"*{SEALED_SUFFIX}"))
     assert len(shard_paths) == 2 and all(cf.verify_shard(path).ok for path in shard_paths)
+
+
+def test_shard_stats_count_the_records_with_images(tmp_path):
+    import io
+
+    from collector_service.shard_tools import print_stats
+
+    cf.write_shards([image_record(seed=seed) for seed in range(2)] + [text_record()], tmp_path, records_per_shard=2)
+    out = io.StringIO()
+    print_stats(tmp_path, out=out)
+    assert "records with images: 2 (12 image positions" in out.getvalue()
