@@ -50,6 +50,8 @@ from capture_format.records import (
     TOKEN_ID_DTYPE,
     CaptureRecord,
     StatesPrefix,
+    mask_from_spans,
+    num_span_positions,
     spans_from_mask,
 )
 from capture_format.prefix_blocks import DanglingPrefixError, block_record_id, is_prefix_block, prefix_key
@@ -124,6 +126,8 @@ __all__ = [
     "read_frame_prefix",
     "recover_open_shard",
     "repair_shard",
+    "mask_from_spans",
+    "num_span_positions",
     "spans_from_mask",
     "verify_shard",
     "write_shards",

@@ -293,7 +293,7 @@ def parse_header(
             raise FrameError("a schema 2 frame header marks no image position; a record without any is schema 1")
         if states_prefix is not None:
             raise FrameError("a schema 2 frame (image positions) cannot leave states to a shared prefix")
-        _check_shape(tensors[3], (sum(end - start for start, end in embed_spans), hidden_size))
+        _check_shape(tensors[3], (records.num_span_positions(embed_spans), hidden_size))
     raw_nbytes = sum(tensor.raw_nbytes for tensor in tensors)
     if raw_nbytes > records.MAX_RECORD_RAW_NBYTES:
         raise FrameError(f"frame declares {raw_nbytes} raw bytes; at most {records.MAX_RECORD_RAW_NBYTES} are accepted")

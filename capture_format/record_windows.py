@@ -32,7 +32,7 @@ import numpy as np
 
 from capture_format.frame_header import FrameInfo
 from capture_format.prefix_blocks import ChainLink, walk_chain
-from capture_format.records import STATE_DTYPES, CaptureRecord
+from capture_format.records import STATE_DTYPES, CaptureRecord, mask_from_spans, num_span_positions
 from capture_format.token_ids import FrameStart
 
 __all__ = ["RecordLayout", "RecordWindow", "WalkedRecord", "check_window", "cut_window", "walk_record"]
@@ -84,7 +84,7 @@ class RecordWindow:
         width, num_layers, hidden = self.end - self.start, len(self.capture_layers), self.hidden_size
         assert 0 <= self.start < self.end <= self.num_states <= self.token_ids.shape[0]
         assert self.aux.shape == (width, num_layers, hidden) and self.final.shape == (width, hidden)
-        num_embeds = sum(end - start for start, end in self.input_embed_spans)
+        num_embeds = num_span_positions(self.input_embed_spans)
         assert (self.input_embeds is None) == (num_embeds == 0)
         assert self.input_embeds is None or self.input_embeds.shape == (num_embeds, hidden)
         for array in (self.token_ids, self.aux, self.final, self.input_embeds):
@@ -97,10 +97,7 @@ class RecordWindow:
 
     def loss_mask(self) -> np.ndarray:
         """uint8 [T]: 1 on tokens inside a loss span (of the whole record)."""
-        mask = np.zeros(self.num_tokens, dtype=np.uint8)
-        for span_start, span_end in self.loss_spans:
-            mask[span_start:span_end] = 1
-        return mask
+        return mask_from_spans(self.loss_spans, self.num_tokens)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -61,6 +61,8 @@ __all__ = [
     "TOKEN_ID_DTYPE",
     "CaptureRecord",
     "StatesPrefix",
+    "mask_from_spans",
+    "num_span_positions",
     "spans_from_mask",
 ]
 
@@ -266,10 +268,10 @@ def spans_overlap(first: Sequence[tuple[int, int]],
 
 
 def _check_spans(value: object, num_tokens: int, kind: str) -> tuple[tuple[int, int], ...]:
-    pairs = _as_sequence(value, f"{kind.replace(' ', '_')}_spans", "a sequence of (start, end) pairs")
+    field_name = f"{kind.replace(' ', '_')}_spans"
+    pairs = _as_sequence(value, field_name, "a sequence of (start, end) pairs")
     if len(pairs) > MAX_LOSS_SPANS:
-        raise InvalidRecordError(f"{kind.replace(' ', '_')}_spans has {len(pairs)} spans; at most {MAX_LOSS_SPANS} "
-                                 "are accepted")
+        raise InvalidRecordError(f"{field_name} has {len(pairs)} spans; at most {MAX_LOSS_SPANS} are accepted")
     spans = []
     previous_end = 0
     for span in pairs:
@@ -405,7 +407,7 @@ class CaptureRecord:
 
     def _checked_input_embeds(self, spans: tuple[tuple[int, int], ...], dtype: np.dtype, hidden_size: int,
                               hint: str) -> np.ndarray | None:
-        num_rows = sum(end - start for start, end in spans)
+        num_rows = num_span_positions(spans)
         if self.input_embeds is None:
             if spans:
                 raise InvalidRecordError(f"input_embed_spans mark {num_rows} image positions; input_embeds is missing")
@@ -436,17 +438,11 @@ class CaptureRecord:
 
     def input_embed_mask(self) -> np.ndarray:
         """uint8 [T]: 1 on the image positions, 0 elsewhere."""
-        mask = np.zeros(self.num_tokens, dtype=np.uint8)
-        for start, end in self.input_embed_spans:
-            mask[start:end] = 1
-        return mask
+        return mask_from_spans(self.input_embed_spans, self.num_tokens)
 
     def loss_mask(self) -> np.ndarray:
         """uint8 [T]: 1 on tokens inside a loss span, 0 elsewhere."""
-        mask = np.zeros(self.num_tokens, dtype=np.uint8)
-        for start, end in self.loss_spans:
-            mask[start:end] = 1
-        return mask
+        return mask_from_spans(self.loss_spans, self.num_tokens)
 
 
 def spans_from_mask(mask: np.ndarray | Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -459,3 +455,16 @@ def spans_from_mask(mask: np.ndarray | Sequence[int]) -> tuple[tuple[int, int], 
     padded = np.concatenate(([0], values.astype(np.int8), [0]))
     edges = np.flatnonzero(np.diff(padded))  # rising edges at even positions, falling at odd
     return tuple(zip(edges[0::2].tolist(), edges[1::2].tolist()))
+
+
+def mask_from_spans(spans: Sequence[tuple[int, int]], length: int, dtype: np.dtype | type = np.uint8) -> np.ndarray:
+    """[length] of dtype: 1 (True) on the positions of the half-open spans, 0 elsewhere; `spans_from_mask` goes back."""
+    mask = np.zeros(length, dtype=dtype)
+    for start, end in spans:
+        mask[start:end] = 1
+    return mask
+
+
+def num_span_positions(spans: Sequence[tuple[int, int]]) -> int:
+    """How many positions the half-open spans cover (they do not overlap)."""
+    return sum(end - start for start, end in spans)

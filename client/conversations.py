@@ -99,9 +99,7 @@ def _image_url(part: Mapping, where: str, base_dir: Path | None) -> str:
 def _content(content: object, where: str, base_dir: Path | None, images_allowed: bool) -> tuple[str, list[str]]:
     """(text with IMAGE_MARK at each image, the images' URLs in order)."""
     if isinstance(content, str):
-        if IMAGE_MARK in content:
-            raise BadRowError(f"{where}: the text holds {IMAGE_MARK!r}, which marks images here")
-        return content, []
+        content = [{"type": "text", "text": content}]
     if isinstance(content, list):  # OpenAI content parts
         texts, images = [], []
         for part in content:

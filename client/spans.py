@@ -194,10 +194,10 @@ class ChatTokenizer:
         if not spans:
             raise SpanError("no assistant tokens: the conversation has no non-empty assistant turn")
         images = tuple(image for message in messages for image in message.get("images", ()))
-        if images and list(full_ids).count(self.image[1]) != len(images):
+        num_placeholders = list(full_ids).count(self.image[1]) if images else 0
+        if num_placeholders != len(images):
             raise SpanError(f"the conversation has {len(images)} images and its rendered prompt holds "
-                            f"{list(full_ids).count(self.image[1])} image placeholders: the template or the "
-                            "text changes them")
+                            f"{num_placeholders} image placeholders: the template or the text changes them")
         return TokenizedSequence(tuple(full_ids), tuple(spans), tuple(span_turns), images)
 
     def tokenize_conversation(self, messages: Messages) -> TokenizedSequence:

@@ -37,6 +37,7 @@ from capture_format import (
 )
 from capture_format.frame_header import FrameInfo
 from capture_format.prefix_blocks import is_prefix_block
+from capture_format.records import num_span_positions
 from capture_format.shard_codecs import codec_summary, format_codec_summary, recode_shards
 from capture_format.shard_index import (
     QUARANTINE_DIR_NAME,
@@ -197,7 +198,7 @@ def print_stats(data_dir: Path | str, *, out: TextIO) -> None:
             return  # shared-prefix blocks are parts of records, not records
         if info.input_embed_spans:
             images[0] += 1
-            images[1] += sum(end - start for start, end in info.input_embed_spans)
+            images[1] += num_span_positions(info.input_embed_spans)
         try:
             served.append(ServedDraft.from_metadata(info.metadata))
         except InvalidRecordError as err:

@@ -65,6 +65,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from capture_format.records import num_span_positions
 from capture_format.tag import CaptureTag
 from sglang_patch.device_copy import HostCopier, HostRows, RowCopier, host_cat, host_copy
 from sglang_patch.selection import PrefixPlan, Selection, Selector, is_sampled
@@ -83,7 +84,7 @@ class ImageInputs:
 
     @property
     def num_positions(self) -> int:
-        return sum(end - start for start, end in self.spans)
+        return num_span_positions(self.spans)
 
     def expanded_spans(self, spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
         """Spans over the ids with one placeholder per image, moved onto the expanded ids (image k's tokens at

@@ -190,9 +190,7 @@ def shift_window(rows: cf.RecordWindow, first: int, end: int, overlap: int = 0) 
     num_tokens = int(rows.token_ids.shape[0])
     n = end - first
     ids = rows.token_ids.astype(np.int64)
-    mask_past_end = np.zeros(num_tokens + 2, dtype=bool)  # (T + 2,): tokens past the record are never learned
-    for span_start, span_end in rows.loss_spans:
-        mask_past_end[span_start:span_end] = True
+    mask_past_end = cf.mask_from_spans(rows.loss_spans, num_tokens + 2, bool)  # (T + 2,): none past the record
     learned = mask_past_end[first + 2 : end + 2].copy()  # (n,): learn token r+2?
     owned = learned.copy()
     owned[: overlap if first > 0 else 0] = False
@@ -218,9 +216,7 @@ def image_inputs(rows: cf.RecordWindow, first: int, end: int) -> dict[str, np.nd
     (the module docstring); {} for a record without images."""
     if rows.input_embeds is None:
         return {}
-    image_mask = np.zeros(rows.num_tokens + 1, dtype=bool)  # (T + 1,): token T, past the record, is none
-    for span_start, span_end in rows.input_embed_spans:
-        image_mask[span_start:span_end] = True
+    image_mask = cf.mask_from_spans(rows.input_embed_spans, rows.num_tokens + 1, bool)  # (T + 1,): token T is none
     row_of_position = np.cumsum(image_mask) - 1  # (T + 1,): which input_embeds row an image position is
     mask = image_mask[first + 1 : end + 1]  # (n,): token r+1 is an image position
     embeds = np.zeros((end - first, rows.hidden_size), dtype=rows.input_embeds.dtype)  # (n, H)
