@@ -34,6 +34,21 @@ def generate(server, input_ids: list[int], *, record_id: str | None = None, span
     return post_json(f"{server.url}/generate", payload)
 
 
+def generate_in_one_batch(server, requests: dict[str, list[int]], *, max_new_tokens: int = 1) -> list[dict]:
+    """Tagged requests (record id -> input ids) in one batched /generate call. Pre-tokenized, SGLang hands them
+    to the scheduler as one message, so they reach it together and share a prefill forward however loaded the
+    machine is (threads posting one request each can each arrive after the last one's forward began)."""
+    sampling_params = []
+    for record_id, input_ids in requests.items():
+        tag = CaptureTag(record_id=record_id, sample_id=f"sample-{record_id}", loss_spans=((0, len(input_ids)),),
+                         metadata={"test": True})
+        sampling_params.append({"max_new_tokens": max_new_tokens, "temperature": 0,
+                                "custom_params": tag.to_custom_params()})
+    payload = {"input_ids": list(requests.values()), "sampling_params": sampling_params,
+               "cache_salt": [uuid.uuid4().hex for _ in requests]}
+    return post_json(f"{server.url}/generate", payload)
+
+
 def read_stats(spool_dir: Path, rank_dir: str = "dp0") -> dict:
     """The plugin's stats file of one data-parallel rank (`rank_dir=""`: the dormant-status file at the top)."""
     return read_stats_file(spool_dir / rank_dir / "stats.json")

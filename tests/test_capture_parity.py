@@ -17,7 +17,6 @@ what pins down each SGLang class's layer-id rule (DeepSeek shifts ids only when 
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import re
 from pathlib import Path
@@ -26,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from capture_helpers import (aux_as_float, final_as_float, generate, median_token_error,
+from capture_helpers import (aux_as_float, final_as_float, generate, generate_in_one_batch, median_token_error,
                              read_stats, relative_error, stored_record, wait_for)
 from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer
 from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
@@ -189,12 +188,10 @@ def test_concurrent_requests_of_different_lengths_split_into_their_own_records(t
     """Several requests in one EXTEND forward: each record holds exactly its own rows."""
     arch = target.case.arch
     log_before = len(target.fp32.log_path.read_text(errors="replace"))
+    sent_before = read_stats(target.fp32_spool).get("sent", 0)
     lengths = [5, 31, 12, 64, 3, 47, 20, 9]
     requests = {f"{arch}-batch-{index}": random_ids(100 + index, length) for index, length in enumerate(lengths)}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(requests)) as pool:
-        for future in [pool.submit(generate, target.fp32, ids, record_id=record_id)
-                       for record_id, ids in requests.items()]:
-            future.result()
+    assert len(generate_in_one_batch(target.fp32, requests)) == len(requests)
     log = target.fp32.log_path.read_text(errors="replace")[log_before:]
     batch_sizes = [int(size) for size in re.findall(r"Prefill batch.*?#new-seq: (\d+)", log)]
     assert max(batch_sizes) >= 2, f"no prefill batch held more than one request: {batch_sizes}"
@@ -204,7 +201,7 @@ def test_concurrent_requests_of_different_lengths_split_into_their_own_records(t
         assert record.token_ids.tolist() == ids, record_id
         check_record(record, hf_hidden_states(hf_model, ids), layers=target.case.default_layers,
                      metric=relative_error, tolerance=FP32_REL_TOL, what=record_id)
-    stats = wait_for(lambda: (s := read_stats(target.fp32_spool)).get("sent", 0) >= len(requests) + 1 and s, 30,
+    stats = wait_for(lambda: (s := read_stats(target.fp32_spool)).get("sent", 0) >= sent_before + len(requests) and s, 30,
                      "the plugin's stats")
     assert stats["dropped"] == {}
 
