@@ -7,8 +7,15 @@ embedding) and the draft vocab size (lm_head), plus:
   for the capture layers, translated by capture_format.layers for the target's architecture;
 - `eagle_tap`: the capture layers themselves and the target's fingerprint, which training checks
   every record against, and its tokenizer's fingerprint, which serving checks the target against.
-Values the derivation gets wrong for an unusual target (an MLA target's KV heads, say) are set
-with `--set key=value` (JSON values).
+Values the derivation gets wrong for an unusual target are set with `--set key=value` (JSON values).
+
+Two layouts (`--layout`), each one SGLang class:
+- "llama" (the default): `LlamaForCausalLMEagle3`, grouped-query attention with the target's heads, KV
+  heads and head dim;
+- "mla": `Eagle3DeepseekV2ForCausalLM`, for an MLA target (DeepSeek-V3, Kimi-K2.x): DeepSeek-V2 multi-latent
+  attention with the target's q_lora_rank, kv_lora_rank and head dims, written as a `deepseek_v3` config so
+  SGLang builds it as an MLA model (its draft KV cache then holds one latent per token).
+Both write `fc_norm` and `norm_output` (EAGLE3.1, false unless set), which both SGLang classes read.
 """
 
 from __future__ import annotations
@@ -20,6 +27,28 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_DRAFT_VOCAB_SIZE = 32000
+LAYOUT_ARCHITECTURES = {"llama": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCausalLM"}
+"""The SGLang class each draft layout is served as."""
+MLA_TARGET_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def draft_layout(config: dict[str, Any]) -> str:
+    """The layout a draft config's `architectures` names (a config without it is a Llama one)."""
+    architectures = config.get("architectures") or [LAYOUT_ARCHITECTURES["llama"]]
+    for layout, architecture in LAYOUT_ARCHITECTURES.items():
+        if architectures[0] == architecture:
+            return layout
+    raise ValueError(f"draft architecture {architectures[0]!r} is not one eagle-tap trains; known: "
+                     f"{', '.join(LAYOUT_ARCHITECTURES.values())}")
+
+
+def draft_kv_bytes_per_token(config: dict[str, Any], bytes_per_value: int = 2) -> int:
+    """What the served draft's KV cache holds per token (its one layer): per-head keys and values (llama), or one
+    latent and the shared rope key (mla, as SGLang's MLA pool stores it)."""
+    if draft_layout(config) == "mla":
+        return (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * bytes_per_value
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_key_value_heads"] * head_dim * bytes_per_value
 
 
 def rope_parameters(target: dict[str, Any]) -> dict[str, Any]:
@@ -41,6 +70,7 @@ def build_draft_config(
     draft_vocab_size: int | None = None,
     capture_layers: Sequence[int] | None = None,
     overrides: dict[str, Any] | None = None,
+    layout: str = "llama",
 ) -> dict[str, Any]:
     """The draft config for the target in target_dir (see the module docstring)."""
     import capture_format as cf
@@ -57,18 +87,29 @@ def build_draft_config(
     draft_vocab_size = draft_vocab_size or min(DEFAULT_DRAFT_VOCAB_SIZE, vocab_size)
     if not 1 <= draft_vocab_size <= vocab_size:
         raise ValueError(f"draft vocab size {draft_vocab_size} must be within 1..{vocab_size} (the target's vocab)")
+    if layout not in LAYOUT_ARCHITECTURES:
+        raise ValueError(f"unknown draft layout {layout!r}; known: {', '.join(LAYOUT_ARCHITECTURES)}")
     heads = target["num_attention_heads"]
     rope = rope_parameters(target)
+    if layout == "mla":
+        missing = [key for key in MLA_TARGET_KEYS if not target.get(key)]
+        if missing:
+            raise ValueError(f"the MLA layout takes its attention shapes from an MLA target; {target_dir} has no "
+                             f"{', '.join(missing)} (use --layout llama for this target)")
+        attention = {"model_type": "deepseek_v3", "num_key_value_heads": heads,
+                     **{key: target[key] for key in MLA_TARGET_KEYS}, "rope_interleave": True}
+    else:
+        attention = {"model_type": "llama", "num_key_value_heads": target.get("num_key_value_heads") or heads,
+                     "head_dim": target.get("head_dim") or target["hidden_size"] // heads}
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
+        "architectures": [LAYOUT_ARCHITECTURES[layout]],
+        "model_type": attention.pop("model_type"),
         "num_hidden_layers": 1,
         "hidden_size": target["hidden_size"],
         "target_hidden_size": target["hidden_size"],
         "num_aux_hidden_states": len(layers),
         "num_attention_heads": heads,
-        "num_key_value_heads": target.get("num_key_value_heads") or heads,
-        "head_dim": target.get("head_dim") or target["hidden_size"] // heads,
+        **attention,
         "intermediate_size": target["intermediate_size"],
         "hidden_act": "silu",
         "rms_norm_eps": target.get("rms_norm_eps", 1e-6),
@@ -81,6 +122,8 @@ def build_draft_config(
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
+        "fc_norm": False,
+        "norm_output": False,
         "torch_dtype": "bfloat16",
         **{key: target[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in target},
         "eagle_tap": {

@@ -30,7 +30,9 @@ from trainer.run_folder import DraftSource, read_draft_source
 __all__ = ["SHAPE_KEYS", "DraftMismatchError", "check_draft_fits", "in_place_of", "safetensors_shapes"]
 
 SHAPE_KEYS = ("architectures", "hidden_size", "target_hidden_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "draft_vocab_size")
+              "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "draft_vocab_size",
+              "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "fc_norm",
+              "norm_output")
 """Draft config keys two drafts must share for one's weights to take the other's place."""
 
 
@@ -41,6 +43,8 @@ class DraftMismatchError(ValueError):
 def _shape_value(config: dict[str, Any], key: str) -> Any:
     if key == "target_hidden_size":  # a draft config without it reads states as wide as its own hidden size
         return config.get(key, config.get("hidden_size"))
+    if key in ("fc_norm", "norm_output"):  # EAGLE3.1 options; a config without them has neither
+        return bool(config.get(key, False))
     return config.get(key)
 
 

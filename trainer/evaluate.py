@@ -86,7 +86,7 @@ def shifted_target_argmax(target_argmax: torch.Tensor, doc_ids: torch.Tensor, st
 def chain_proposals(draft: Eagle3Draft, batch: dict[str, Any], steps: int) -> torch.Tensor:
     """(B, S, J) target ids the draft proposes autoregressively from every start row."""
     mask = causal_mask(batch["doc_ids"])  # (B, 1, S, S)
-    hidden = draft.fc(batch["aux"].to(draft.fc.weight.dtype))  # (B, S, H)
+    hidden = draft.project(batch["aux"])  # (B, S, H)
     step_ids, cache, proposals = batch["input_ids"], [], []
     hot_ids = torch.arange(draft.d2t.numel()) + draft.d2t  # (D,): target id of each draft id
     for step in range(steps):

@@ -14,6 +14,16 @@ input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,u
 norm, lm_head, embed_tokens (frozen, the target's), and the buffers d2t (read as hot token ids)
 and t2d (skipped by SGLang).
 
+Two layouts of that layer, as the draft config's `architectures` names them (trainer/draft_config.py):
+- "llama", `LlamaForCausalLMEagle3`: grouped-query attention (q/k/v/o_proj), rope in the half-split layout;
+- "mla", `Eagle3DeepseekV2ForCausalLM` (SGLang's models/kimi_k25_eagle3.py): DeepSeek-V2 multi-latent
+  attention (`MLAttention`: q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
+  o_proj; SGLang fuses the two a-projections at load), rope on the rope part in the interleaved layout, the
+  softmax scale of DeepSeek's yarn. The draft's KV cache holds one latent per token (kv_lora_rank +
+  qk_rope_head_dim wide) instead of per-head keys and values.
+Both take the EAGLE3.1 options SGLang reads: `fc_norm` (an RMSNorm on each captured state before fc) and
+`norm_output` (the next step gets norm(out), not out).
+
 Attention takes a list of earlier test-time-training steps' keys and values (`cache`): the first
 entry is attended causally (within each record), the later ones only at the query's own row (the
 draft's chain of guesses at that position). With an empty cache this is plain causal attention.
@@ -45,7 +55,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from trainer.draft_config import draft_layout
+
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+MLA_ROPE_TYPES = ("default", "yarn")
+"""SGLang's MLA layer runs any rope scaling as DeepSeek's yarn; the others would be served as something else."""
+LAYOUTS = ("llama", "mla")
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+"""The MLA layout's shape keys of the draft config (all positive)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -70,13 +87,49 @@ class Config:
     max_position_embeddings: int
     rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     """As transformers writes them: rope_type, rope_theta and the type's own fields."""
+    layout: str = "llama"
+    """One of LAYOUTS (module docstring)."""
+    q_lora_rank: int = 0
+    """mla: width of the query's low-rank projection."""
+    kv_lora_rank: int = 0
+    """mla: C, width of the latent the keys' nope part and the values come from."""
+    qk_nope_head_dim: int = 0
+    """mla: the part of a head's query and key without rope."""
+    qk_rope_head_dim: int = 0
+    """mla: the part with rope (one key part shared by all heads)."""
+    v_head_dim: int = 0
+    """mla: a head's value width."""
+    fc_norm: bool = False
+    """An RMSNorm on each captured state before fc (EAGLE3.1)."""
+    norm_output: bool = False
+    """The next step's hidden is norm(out) instead of out (EAGLE3.1)."""
+
+    @property
+    def rotary_dim(self) -> int:
+        """E of the rope: the whole head (llama), the rope part (mla)."""
+        return self.qk_rope_head_dim if self.layout == "mla" else self.head_dim
 
     @classmethod
     def from_draft_config(cls, draft: dict[str, Any]) -> Config:
+
+        layout = draft_layout(draft)
         if draft.get("hidden_act", "silu") != "silu" or draft.get("num_hidden_layers", 1) != 1:
-            raise ValueError("the draft must be one Llama decoder layer with hidden_act silu")
+            raise ValueError("the draft must be one decoder layer with hidden_act silu")
         heads = draft["num_attention_heads"]
+        mla = {}
+        if layout == "mla":
+            missing = [key for key in MLA_KEYS if not draft.get(key)]
+            if missing:
+                raise ValueError(f"an MLA draft config needs {', '.join(missing)} (positive integers; SGLang's "
+                                 "Eagle3DeepseekV2ForCausalLM refuses a draft without q_lora_rank)")
+            mla = {key: int(draft[key]) for key in MLA_KEYS}
+            rope_type = draft["rope_parameters"].get("rope_type", "default")
+            if rope_type not in MLA_ROPE_TYPES:
+                raise ValueError(f"rope_type {rope_type!r} is not supported by the MLA layout; accepted: "
+                                 f"{', '.join(MLA_ROPE_TYPES)}")
         return cls(
+            layout=layout, fc_norm=bool(draft.get("fc_norm", False)), norm_output=bool(draft.get("norm_output", False)),
+            **mla,
             hidden_size=draft["hidden_size"],
             target_hidden_size=draft.get("target_hidden_size", draft["hidden_size"]),
             num_aux_hidden_states=draft["num_aux_hidden_states"],
@@ -97,18 +150,31 @@ def rope_frequencies(config: Config) -> tuple[torch.Tensor, float]:
     rope_type = config.rope_parameters.get("rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported; accepted: {', '.join(STATIC_ROPE_TYPES)}")
+    dim = config.rotary_dim
     if rope_type == "default":
-        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim  # (E/2,)
+        exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim  # (E/2,)
         return 1.0 / config.rope_parameters["rope_theta"] ** exponents, 1.0
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     hf_config = LlamaConfig(
-        hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads, head_dim=config.head_dim,
+        hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads, head_dim=dim,
         max_position_embeddings=config.max_position_embeddings, rope_parameters=dict(config.rope_parameters),
     )
     inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
     return inv_freq.float(), float(scale)
+
+
+def mla_softmax_scale(config: Config) -> float:
+    """DeepSeek-V2's attention scale: 1/sqrt(qk head dim), times mscale squared under yarn (SGLang's
+    `compute_mla_mscale_scaling`: mscale = 0.1 * mscale_all_dim * ln(factor) + 1 for a factor above 1)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    rope = config.rope_parameters
+    if rope.get("rope_type", "default") == "default" or not rope.get("apply_yarn_scaling", True):
+        return scale
+    factor, mscale_all_dim = float(rope.get("factor", 1.0)), float(rope.get("mscale_all_dim") or 0.0)
+    mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+    return scale * mscale * mscale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -116,6 +182,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # (B, heads, S, E)
     return x * cos + rotated * sin
+
+
+def deinterleaved(x: torch.Tensor) -> torch.Tensor:
+    """x (..., E) with rope pairs side by side (x0 x1, x2 x3, ...: DeepSeek's layout) reordered into the half-split
+    layout apply_rope rotates (x0 x2 ... x1 x3 ...). Queries and keys are reordered alike: their products hold."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)  # (..., E)
 
 
 class RMSNorm(nn.Module):
@@ -156,6 +228,47 @@ class Attention(nn.Module):
             k, v = gather_keys(k), gather_keys(v)  # (B, N, T, E) each, T = all positions
         cache.append((k, v))
         out = attend(q, cache, mask, 1.0 / math.sqrt(self.head_dim))  # (B, N, S, E)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # (B, S, H)
+
+
+class MLAttention(nn.Module):
+    """DeepSeek-V2 multi-latent attention over x = cat(embedding, hidden), as SGLang's `Eagle3MLADecoderLayer`
+    runs it. Computed in the decompressed form (per-head keys and values from the latent); the absorbed form
+    SGLang serves (queries into the latent space, attention over the latent) is the same product reordered."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.latent_dim = config.kv_lora_rank
+        width = 2 * config.hidden_size  # input: cat(embedding, hidden)
+        self.q_a_proj = nn.Linear(width, config.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * (self.nope_dim + self.rope_dim), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(width, self.latent_dim + self.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.latent_dim, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.latent_dim, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, config.hidden_size, bias=False)
+        self.scale = mla_softmax_scale(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, cache: list,
+        gather_keys: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        B, S, _ = x.shape
+        N = self.num_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, S, N, -1).transpose(1, 2)  # (B, N, S, Dn+Dr)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.rope_dim], dim=-1)  # (B, S, C|Dr)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, S, N, -1).transpose(1, 2)  # (B, N, S, Dn+Dv)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        q_rope = apply_rope(deinterleaved(q_rope), cos, sin)  # (B, N, S, Dr)
+        k_rope = apply_rope(deinterleaved(k_rope.unsqueeze(1)), cos, sin).expand(B, N, S, self.rope_dim)
+        q, k = torch.cat([q_nope, q_rope], dim=-1), torch.cat([k_nope, k_rope], dim=-1)  # (B, N, S, Dn+Dr) each
+        if not cache and gather_keys is not None:  # sequence parallel: the first step's keys of every rank
+            k, v = gather_keys(k), gather_keys(v)  # (B, N, T, Dn+Dr), (B, N, T, Dv)
+        cache.append((k, v))
+        out = attend(q, cache, mask, self.scale)  # (B, N, S, Dv)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # (B, S, H)
 
 
@@ -231,7 +344,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = MLAttention(config) if config.layout == "mla" else Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -249,6 +362,8 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=frozen_dtype)
         self.embed_tokens.weight.requires_grad_(False)  # the target's (trainer/target_weights.py)
         self.fc = nn.Linear(config.num_aux_hidden_states * config.target_hidden_size, config.hidden_size, bias=False)
+        self.fc_norm = (nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+                                      for _ in range(config.num_aux_hidden_states)) if config.fc_norm else None)
         self.midlayer = DecoderLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -259,6 +374,15 @@ class Eagle3Draft(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux (B, S, K*Ht), the captured states side by side, as the first step's hidden (B, S, H): fc, after an
+        RMSNorm on each state where the config sets fc_norm (as SGLang does inside its forward)."""
+        aux = aux.to(self.fc.weight.dtype)
+        if self.fc_norm is not None:
+            aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, aux.chunk(len(self.fc_norm), dim=-1))],
+                            dim=-1)  # (B, S, K*Ht)
+        return self.fc(aux)  # (B, S, H)
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         angles = position_ids.unsqueeze(-1).float() * self.inv_freq  # (B, S, E/2)
@@ -276,11 +400,11 @@ class Eagle3Draft(nn.Module):
         input_embeds: torch.Tensor | None = None,
         input_embed_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step. hidden (B, S, H): fc(aux) at the first step, the previous `out` after;
+        """One draft step. hidden (B, S, H): project(aux) at the first step, the previous `out` after;
         mask (B, 1, S, T) bool: the first step's keys each query may see (T = S, or with gather_keys, which
-        gathers the first step's keys of every sequence-parallel rank, all T positions). Returns out (B, S, H),
-        pre-norm, for the next step and logits (B, S, D). (SGLang applies fc inside its forward
-        whenever the incoming width differs from H, which is every first step with K >= 2.) Where
+        gathers the first step's keys of every sequence-parallel rank, all T positions). Returns out (B, S, H)
+        for the next step (pre-norm; norm(out) with norm_output) and logits (B, S, D). (SGLang applies fc inside
+        its forward whenever the incoming width differs from H, which is every first step with K >= 2.) Where
         input_embed_mask (B, S) is set, the input is input_embeds (B, S, H), the target's own input embedding at
         an image position, not the embedding of its id (SGLang's mm_input_embeds; trainer/data.py)."""
         embeds = self.embed_tokens(input_ids)  # (B, S, H)
@@ -294,7 +418,8 @@ class Eagle3Draft(nn.Module):
         embeds = embeds.to(hidden.dtype)
         cos, sin = self.rope(position_ids, hidden.dtype)  # (B, 1, S, E) each
         out = self.midlayer(embeds, hidden, cos, sin, mask, [] if cache is None else cache, gather_keys)  # (B, S, H)
-        return out, self.lm_head(self.norm(out))  # (B, S, H), (B, S, D)
+        normed = self.norm(out)  # (B, S, H)
+        return normed if self.config.norm_output else out, self.lm_head(normed)  # (B, S, H), (B, S, D)
 
 
 def causal_mask(doc_ids: torch.Tensor, first: int = 0, end: int | None = None) -> torch.Tensor:

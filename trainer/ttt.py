@@ -155,7 +155,7 @@ class Eagle3Objective(nn.Module):
         target_p, in_vocab = self.target_distribution(batch["final"][:, first:reach])  # (B, n+, D), (B, n+)
         padding = n + self.config.ttt_steps - 1 - target_p.shape[1]
         target_p, in_vocab = F.pad(target_p, (0, 0, 0, padding)), F.pad(in_vocab, (0, padding))  # (B, n+J-1, ...)
-        hidden = self.draft.fc(batch["aux"][:, first:end].to(self.draft.fc.weight.dtype))  # (B, n, H)
+        hidden = self.draft.project(batch["aux"][:, first:end])  # (B, n, H)
         # One additive mask in the attention's dtype (bf16 under autocast) that every step's attention shares.
         mask = attention_bias(causal_mask(batch["doc_ids"], first, end), hidden.dtype)  # (B, 1, n, S)
         position_ids = batch["position_ids"][:, first:end]  # (B, n)

@@ -1,0 +1,180 @@
+"""The MLA draft layout (SGLang's Eagle3DeepseekV2ForCausalLM) and the EAGLE3.1 options, in the trainer.
+
+Its attention is transformers' DeepseekV3Attention (the reference the tiny DeepSeek-V3 target's captures are
+checked against): the same weights give the same output, yarn rope and its softmax scale included; its TTT
+objective equals the dense form; fc_norm and norm_output are what SGLang computes; `eagle-tap draft-config
+--layout mla` takes the target's MLA shapes and refuses a target without them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle_tap.cli import main
+from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
+from eagle_tap.testbed.tiny_model.random import DEEPSEEK_V3_YARN
+from trainer import model, ttt
+from trainer.dense_reference import dense_objective
+from trainer.draft_config import build_draft_config, draft_kv_bytes_per_token
+
+MLA = dict(hidden_size=32, target_hidden_size=32, num_aux_hidden_states=3, num_attention_heads=4,
+           num_key_value_heads=4, head_dim=8, intermediate_size=48, rms_norm_eps=1e-6, vocab_size=64,
+           draft_vocab_size=16, max_position_embeddings=163_840, layout="mla", q_lora_rank=24, kv_lora_rank=20,
+           qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10)
+"""Every MLA width different (nope 8, rope 6, value 10, latent 20), so a mixed-up split shows."""
+YARN = dict(DEEPSEEK_V3_YARN)
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def mla_draft(seed: int = 0, **changes) -> model.Eagle3Draft:
+    torch.manual_seed(seed)
+    draft = model.Eagle3Draft(model.Config(**{**MLA, "rope_parameters": YARN, **changes}))
+    with torch.no_grad():
+        draft.embed_tokens.weight.normal_()
+        for name, parameter in draft.named_parameters():
+            if name.endswith("norm.weight") or ".fc_norm." in name or name.startswith("fc_norm."):
+                parameter.uniform_(0.5, 1.5)  # not all ones, so a swapped or skipped norm shows
+            elif parameter.dim() == 2 and name != "embed_tokens.weight":
+                parameter.normal_(std=0.15)
+        draft.d2t.copy_(torch.arange(16) * 3)
+        draft.t2d[draft.d2t + torch.arange(16)] = True
+    return draft
+
+
+def test_mla_parameter_names_and_shapes_are_what_sglangs_mla_class_loads() -> None:
+    shapes = {name: tuple(tensor.shape) for name, tensor in mla_draft(fc_norm=True).state_dict().items()
+              if name.startswith(("midlayer.self_attn.", "fc_norm."))}
+    assert shapes == {
+        "fc_norm.0.weight": (32,), "fc_norm.1.weight": (32,), "fc_norm.2.weight": (32,),
+        "midlayer.self_attn.q_a_proj.weight": (24, 64),  # input: cat(embedding, hidden)
+        "midlayer.self_attn.q_a_layernorm.weight": (24,),
+        "midlayer.self_attn.q_b_proj.weight": (4 * (8 + 6), 24),
+        "midlayer.self_attn.kv_a_proj_with_mqa.weight": (20 + 6, 64),
+        "midlayer.self_attn.kv_a_layernorm.weight": (20,),
+        "midlayer.self_attn.kv_b_proj.weight": (4 * (8 + 10), 20),
+        "midlayer.self_attn.o_proj.weight": (32, 4 * 10),
+    }
+
+
+@pytest.mark.parametrize("rope", [YARN, DEFAULT_ROPE], ids=["yarn", "default"])
+def test_mla_attention_is_transformers_deepseek_v3_attention(rope: dict) -> None:
+    """transformers' DeepseekV3Attention as wide as the layer's input (2H), given the same weights (its o_proj's
+    extra rows zero): the same output at every position, rope interleave, yarn cos/sin scale and mscale included."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+    draft = mla_draft(rope_parameters=rope)
+    ours = draft.midlayer.self_attn
+    c = draft.config
+    hf_config = DeepseekV3Config(
+        hidden_size=2 * c.hidden_size, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_attention_heads,
+        q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
+        qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, rms_norm_eps=c.rms_norm_eps,
+        max_position_embeddings=c.max_position_embeddings, rope_parameters=dict(rope), rope_interleave=True,
+        attention_bias=False, vocab_size=c.vocab_size)
+    hf_config._attn_implementation = "eager"
+    reference = DeepseekV3Attention(hf_config, layer_idx=0).eval()
+    with torch.no_grad():
+        for name in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"):
+            getattr(reference, name).weight.copy_(getattr(ours, name).weight)
+        reference.o_proj.weight.copy_(torch.cat([ours.o_proj.weight, torch.zeros_like(ours.o_proj.weight)]))
+    S = 12
+    x = torch.randn(1, S, 2 * c.hidden_size, generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(S)[None] + 3000  # past yarn's original 4,096 / 40 wavelengths
+    causal = torch.full((S, S), float("-inf")).triu(1)[None, None]  # (1, 1, S, S)
+    with torch.no_grad():
+        expected = reference(x, DeepseekV3RotaryEmbedding(hf_config)(x, positions), causal)[0][..., : c.hidden_size]
+        cos, sin = draft.rope(positions, x.dtype)
+        got = ours(x, cos, sin, model.causal_mask(torch.zeros(1, S, dtype=torch.long)), [])
+    assert ours.scale == pytest.approx(reference.scaling, rel=1e-12)
+    if rope is YARN:
+        assert ours.scale > 1.5 * (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5  # mscale^2 = (0.1 ln 40 + 1)^2
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_fc_norm_and_norm_output_are_what_sglang_computes() -> None:
+    """fc_norm: an RMSNorm on each captured state before fc; norm_output: the next step reads norm(out)."""
+    plain, options = mla_draft(), mla_draft(fc_norm=True, norm_output=True)
+    with torch.no_grad():
+        for name, parameter in plain.state_dict().items():
+            options.state_dict()[name].copy_(parameter)
+    aux = torch.randn(1, 5, 96) * 4
+    chunks = aux.chunk(3, dim=-1)
+    normed = torch.cat([norm.weight * chunk * torch.rsqrt(chunk.pow(2).mean(-1, keepdim=True) + 1e-6)
+                        for norm, chunk in zip(options.fc_norm, chunks)], dim=-1)
+    torch.testing.assert_close(options.project(aux), normed @ options.fc.weight.T)
+    torch.testing.assert_close(plain.project(aux), aux @ plain.fc.weight.T)
+    hidden, ids, positions = torch.randn(1, 5, 32), torch.randint(0, 64, (1, 5)), torch.arange(5)[None]
+    mask = model.causal_mask(torch.zeros(1, 5, dtype=torch.long))
+    out, logits = plain(hidden, ids, positions, mask)
+    next_hidden, same_logits = options(hidden, ids, positions, mask)
+    torch.testing.assert_close(same_logits, logits)
+    torch.testing.assert_close(next_hidden, plain.norm(out))
+    assert not torch.allclose(next_hidden, out)
+
+
+def test_the_mla_objective_equals_its_dense_form_at_every_ttt_step(monkeypatch) -> None:
+    """Loss, per-step losses and every gradient of 5 TTT steps over packed records (the chain keys of later steps
+    are as wide as qk, the values as v: the fused attention's log-sum-exp merge must keep them apart)."""
+    monkeypatch.setattr(model, "SCORE_CHUNK_BYTES", 4 * 2 * 4 * 20 * 6)  # the log-sum-exp in 4 chunks
+
+    def step() -> dict[str, torch.Tensor]:
+        draft = mla_draft(fc_norm=True)
+        objective = ttt.Eagle3Objective(draft, torch.randn(64, 32, generator=torch.Generator().manual_seed(5)) * 3,
+                                        ttt.Config(ttt_steps=5, loss_chunk_rows=7))
+        generator = torch.Generator().manual_seed(6)
+        doc_ids = torch.tensor([[0] * 8 + [1] * 10 + [-1] * 2, [2] * 20])
+        batch = {"aux": torch.randn(2, 20, 96, generator=generator),
+                 "final": torch.randn(2, 20, 32, generator=generator),
+                 "input_ids": torch.randint(0, 64, (2, 20), generator=generator),
+                 "position_ids": torch.stack([torch.cat([torch.arange(8), torch.arange(10), torch.zeros(2).long()]),
+                                              torch.arange(20) + 40]),
+                 "loss_mask": doc_ids >= 0, "doc_ids": doc_ids}
+        out = objective(batch)
+        out["loss"].backward()
+        return {"loss": out["loss"].detach(), "step_losses": out["step_losses"].detach(),
+                **{name: p.grad for name, p in draft.named_parameters() if p.grad is not None}}
+
+    fused = step()
+    with dense_objective():
+        dense = step()
+    assert fused.keys() == dense.keys()
+    assert "midlayer.self_attn.kv_b_proj.weight" in fused and "fc_norm.0.weight" in fused
+    for name, value in dense.items():
+        torch.testing.assert_close(fused[name], value, rtol=1e-5, atol=1e-6, msg=lambda message: f"{name}: {message}")
+
+
+def test_draft_config_of_the_mla_layout_takes_the_targets_mla_shapes(random_target, tmp_path: Path) -> None:
+    target_dir = random_target("deepseek_v3")
+    target = json.loads((target_dir / "config.json").read_text())
+    out = tmp_path / "draft.json"
+    assert main(["draft-config", "--target", str(target_dir), "--out", str(out), "--layout", "mla",
+                 "--draft-vocab-size", "512"]) == 0
+    draft = json.loads(out.read_text())
+    assert draft["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and draft["model_type"] == "deepseek_v3"
+    for key in ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size"):
+        assert draft[key] == target[key], key
+    assert draft["num_key_value_heads"] == target["num_attention_heads"] and "head_dim" not in draft
+    assert draft["fc_norm"] is False and draft["norm_output"] is False and draft["rope_interleave"] is True
+    assert draft["rope_parameters"]["rope_type"] == "yarn"
+    built = model.Eagle3Draft(model.Config.from_draft_config(draft))
+    assert isinstance(built.midlayer.self_attn, model.MLAttention)
+    # One latent and the shared rope key per token (64 + 16 values) against per-head keys and values.
+    llama = build_draft_config(target_dir, draft_vocab_size=512)
+    assert draft_kv_bytes_per_token(draft) == (64 + 16) * 2
+    assert draft_kv_bytes_per_token(llama) == 2 * llama["num_key_value_heads"] * llama["head_dim"] * 2
+    with pytest.raises(ValueError, match="has no q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, "
+                                         "v_head_dim .use --layout llama"):
+        build_draft_config(TINY_MODEL_DIR, layout="mla")
+    with pytest.raises(ValueError, match="an MLA draft config needs kv_lora_rank"):
+        model.Config.from_draft_config({**draft, "kv_lora_rank": None})
+    with pytest.raises(ValueError, match="rope_type 'llama3' is not supported by the MLA layout"):
+        model.Config.from_draft_config({**draft, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}})
+    with pytest.raises(ValueError, match="draft architecture 'Eagle3Foo' is not one eagle-tap trains"):
+        model.Config.from_draft_config({**draft, "architectures": ["Eagle3Foo"]})
