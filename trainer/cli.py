@@ -36,17 +36,19 @@ def _key_values(pairs: list[str]) -> dict[str, object]:
 def _draft_config(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from trainer.draft_config import build_draft_config
+    from trainer.draft_config import build_draft_config, draft_kv_bytes_per_token
 
     config = build_draft_config(
         args.target, draft_vocab_size=args.draft_vocab_size, capture_layers=args.capture_layers,
-        overrides=_key_values(args.set),
+        overrides=_key_values(args.set), layout=args.layout,
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    print(f"wrote {out}: hidden {config['hidden_size']}, heads {config['num_attention_heads']}/"
-          f"{config['num_key_value_heads']}, draft vocab {config['draft_vocab_size']} of {config['vocab_size']}, "
+    print(f"wrote {out}: {config['architectures'][0]}, hidden {config['hidden_size']}, heads "
+          f"{config['num_attention_heads']}/{config['num_key_value_heads']}, draft KV "
+          f"{draft_kv_bytes_per_token(config)} bytes per token (bf16), draft vocab {config['draft_vocab_size']} of "
+          f"{config['vocab_size']}, "
           f"capture layers {config['eagle_tap']['capture_layers']}")
     return 0
 
@@ -119,10 +121,13 @@ def _export(args: argparse.Namespace) -> int:
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     draft = subparsers.add_parser(
         "draft-config", help="write an EAGLE-3 draft config.json derived from the target's config",
-        description="Derive the draft's config (one Llama decoder layer, SGLang's LlamaForCausalLMEagle3) from "
-        "the target's: hidden size, heads, KV heads, intermediate size, rope, max positions, vocab sizes, "
-        "capture layers and SGLang's aux layer ids.",
+        description="Derive the draft's config (one decoder layer: SGLang's LlamaForCausalLMEagle3, or with "
+        "--layout mla its Eagle3DeepseekV2ForCausalLM) from the target's: hidden size, heads, KV heads or MLA "
+        "ranks, intermediate size, rope, max positions, vocab sizes, capture layers and SGLang's aux layer ids.",
     )
+    draft.add_argument("--layout", choices=("llama", "mla"), default="llama",
+                       help="llama: grouped-query attention (default); mla: DeepSeek-V2 multi-latent attention, for "
+                       "an MLA target (DeepSeek-V3, Kimi-K2.x), a draft KV cache of one latent per token")
     draft.add_argument("--target", required=True, help="Hugging Face folder of the target model")
     draft.add_argument("--out", required=True, help="config file to write")
     draft.add_argument("--draft-vocab-size", type=int, help="lm_head rows (default: 32000 or the target's vocab)")

@@ -1,11 +1,12 @@
 """`eagle-tap export`: a trained draft as a folder SGLang serves with `--speculative-algorithm EAGLE3`.
 
 The folder holds:
-- config.json: the draft config (architectures ["LlamaForCausalLMEagle3"], one layer, the target's
+- config.json: the draft config (architectures ["LlamaForCausalLMEagle3"], or
+  ["Eagle3DeepseekV2ForCausalLM"] for the MLA layout; one layer, the target's
   vocab_size, draft_vocab_size, tie_word_embeddings false, hidden/intermediate sizes, heads, head
   dim, norm eps, rope, max positions, torch_dtype) with `eagle_config.eagle_aux_hidden_state_layer_ids`
   recomputed from the capture layers by capture_format.layers for the target's architecture;
-- model.safetensors: the draft's weights under the names `LlamaForCausalLMEagle3.load_weights`
+- model.safetensors: the draft's weights under the names the layout's SGLang class's `load_weights`
   reads, matrices and norms in torch_dtype, plus d2t (int64 offsets, read as hot token ids) and t2d
   (bool, skipped by SGLang); no embed_tokens (SGLang shares the target's embedding);
 - README.md: a model card (training data, capture layers, vocab coverage, offline acceptance).
@@ -25,25 +26,40 @@ from typing import Any
 
 import torch
 
+from trainer.draft_config import LAYOUT_ARCHITECTURES, draft_kv_bytes_per_token, draft_layout
 from trainer.run_folder import resolve_checkpoint, run_inputs
 
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def attention_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The attention's tensors (under `midlayer.self_attn.`) of the config's layout, with their shapes."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    if draft_layout(config) == "mla":
+        nope, rope, value = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+        q_rank, latent = config["q_lora_rank"], config["kv_lora_rank"]
+        return {"q_a_proj.weight": (q_rank, 2 * hidden), "q_a_layernorm.weight": (q_rank,),
+                "q_b_proj.weight": (heads * (nope + rope), q_rank),
+                "kv_a_proj_with_mqa.weight": (latent + rope, 2 * hidden), "kv_a_layernorm.weight": (latent,),
+                "kv_b_proj.weight": (heads * (nope + value), latent), "o_proj.weight": (hidden, heads * value)}
+    kv_heads, head_dim = config["num_key_value_heads"], config["head_dim"]
+    return {"q_proj.weight": (heads * head_dim, 2 * hidden), "k_proj.weight": (kv_heads * head_dim, 2 * hidden),
+            "v_proj.weight": (kv_heads * head_dim, 2 * hidden), "o_proj.weight": (hidden, heads * head_dim)}
+
+
 def required_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every tensor SGLang's LlamaForCausalLMEagle3 needs from the folder, with its shape."""
-    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim, intermediate = config["head_dim"], config["intermediate_size"]
+    """Every tensor SGLang's class for the config's layout needs from the folder, with its shape."""
+    hidden, intermediate = config["hidden_size"], config["intermediate_size"]
     num_aux = len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    target_hidden = config.get("target_hidden_size", hidden)
     layer = "midlayer"
+    fc_norm = {f"fc_norm.{index}.weight": (target_hidden,) for index in range(num_aux)} if config.get("fc_norm") else {}
     return {
-        "fc.weight": (hidden, num_aux * config.get("target_hidden_size", hidden)),
+        "fc.weight": (hidden, num_aux * target_hidden),
+        **fc_norm,
         f"{layer}.hidden_norm.weight": (hidden,),
         f"{layer}.input_layernorm.weight": (hidden,),
-        f"{layer}.self_attn.q_proj.weight": (heads * head_dim, 2 * hidden),
-        f"{layer}.self_attn.k_proj.weight": (kv_heads * head_dim, 2 * hidden),
-        f"{layer}.self_attn.v_proj.weight": (kv_heads * head_dim, 2 * hidden),
-        f"{layer}.self_attn.o_proj.weight": (hidden, heads * head_dim),
+        **{f"{layer}.self_attn.{name}": shape for name, shape in attention_shapes(config).items()},
         f"{layer}.post_attention_layernorm.weight": (hidden,),
         f"{layer}.mlp.gate_proj.weight": (intermediate, hidden),
         f"{layer}.mlp.up_proj.weight": (intermediate, hidden),
@@ -66,7 +82,8 @@ def export_config(draft: dict[str, Any]) -> dict[str, Any]:
     layer_ids = capture_layers_to_sglang_ids(tap["target_architecture"], tap["capture_layers"],
                                              tap["target_num_hidden_layers"])
     config = dict(draft)
-    config.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, tie_word_embeddings=False,
+    config.update(architectures=[LAYOUT_ARCHITECTURES[draft_layout(draft)]], num_hidden_layers=1,
+                  tie_word_embeddings=False,
                   num_aux_hidden_states=len(layer_ids))
     config["eagle_config"] = {**(draft.get("eagle_config") or {}), "eagle_aux_hidden_state_layer_ids": layer_ids,
                               "use_aux_hidden_state": True}
@@ -97,13 +114,19 @@ def checked_tensors(tensors: dict[str, torch.Tensor], config: dict[str, Any]) ->
 
 def model_card(config: dict[str, Any], run_config: dict[str, Any] | None, evaluation: dict[str, Any] | None) -> str:
     tap = config["eagle_tap"]
+    if draft_layout(config) == "mla":
+        attention = (f"multi-latent attention (DeepSeek-V2), heads {config['num_attention_heads']}, q_lora_rank "
+                     f"{config['q_lora_rank']}, kv_lora_rank {config['kv_lora_rank']}")
+    else:
+        attention = f"heads {config['num_attention_heads']}/{config['num_key_value_heads']}"
     lines = ["# EAGLE-3 draft (eagle-tap)", "",
              f"Draft for target `{tap.get('target_architecture')}` "
              f"(fingerprint `{tap.get('target_model_fingerprint')}`), "
              "served with SGLang `--speculative-algorithm EAGLE3 --speculative-draft-model-path <this folder>`.", "",
              "## Architecture", "",
-             f"- one Llama decoder layer, hidden {config['hidden_size']}, heads {config['num_attention_heads']}/"
-             f"{config['num_key_value_heads']}, intermediate {config['intermediate_size']}",
+             f"- `{config['architectures'][0]}`: one decoder layer, hidden {config['hidden_size']}, {attention}, "
+             f"intermediate {config['intermediate_size']}; draft KV cache {draft_kv_bytes_per_token(config)} bytes "
+             "per token in bf16",
              f"- capture layers (inputs of target layers) {tap['capture_layers']}; SGLang "
              f"`eagle_aux_hidden_state_layer_ids` {config['eagle_config']['eagle_aux_hidden_state_layer_ids']}",
              f"- draft vocab {config['draft_vocab_size']} of {config['vocab_size']} target tokens", ""]
