@@ -3,18 +3,23 @@
 Its attention is transformers' DeepseekV3Attention (the reference the tiny DeepSeek-V3 target's captures are
 checked against): the same weights give the same output, yarn rope and its softmax scale included; its TTT
 objective equals the dense form; fc_norm and norm_output are what SGLang computes; `eagle-tap draft-config
---layout mla` takes the target's MLA shapes and refuses a target without them.
+--layout mla` takes the target's MLA shapes and refuses a target without them; SGLang's own
+Eagle3DeepseekV2ForCausalLM loads `eagle-tap export`'s folder and computes the trainer's forward.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from eagle_tap.cli import main
+from eagle_tap.serve.sglang_server import free_port
 from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 from eagle_tap.testbed.tiny_model.random import DEEPSEEK_V3_YARN
 from trainer import model, ttt
@@ -178,3 +183,159 @@ def test_draft_config_of_the_mla_layout_takes_the_targets_mla_shapes(random_targ
         model.Config.from_draft_config({**draft, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}})
     with pytest.raises(ValueError, match="draft architecture 'Eagle3Foo' is not one eagle-tap trains"):
         model.Config.from_draft_config({**draft, "architectures": ["Eagle3Foo"]})
+
+
+def sglang_mla_check(export_dir: str, embedding_path: str, port: int) -> dict:
+    """Run in a fresh process: load the folder with SGLang's MLA class and compare its forward with our draft's.
+
+    The class runs as SGLang runs it on a CPU (`_eagle_tap_mla_cpu.py`): the absorbed MLA method, queries
+    projected into the latent space; RadixAttention (paged KV pool, attention backend) is stood in for by
+    causal attention over the latent keys at SGLang's own softmax scale."""
+    from eagle_tap.serve.sglang_server import use_cpu_stand_ins_in_this_process
+
+    use_cpu_stand_ins_in_this_process()
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+    from sglang.test.layer_ut_utils import init_single_process_dist
+    from transformers import AutoConfig
+
+    os.environ["MASTER_PORT"] = str(port)
+    init_single_process_dist(master_port=port)
+    from sglang.srt.models.deepseek_v2 import AttnForwardMethod
+    from sglang.srt.models.kimi_k25_eagle3 import Eagle3DeepseekV2ForCausalLM
+
+    config = AutoConfig.from_pretrained(export_dir)
+    served = Eagle3DeepseekV2ForCausalLM(config).float()
+    with torch.no_grad():
+        for parameter in served.parameters():
+            parameter.fill_(float("nan"))  # so a parameter load_weights never wrote shows
+    weights = load_file(Path(export_dir) / "model.safetensors")
+    embedding = load_file(embedding_path)["embedding"]
+    served.load_weights(list(weights.items()) + [("embed_tokens.weight", embedding)])
+    unwritten = [name for name, parameter in served.named_parameters() if torch.isnan(parameter).any()]
+    hot_ids_ok = torch.equal(served.get_hot_token_id(), torch.arange(config.draft_vocab_size) + weights["d2t"])
+
+    attention = served.model.midlayer.self_attn
+    scale = attention.attn_mqa.scaling
+
+    class LatentCausalAttention(torch.nn.Module):
+        def forward(self, q, k, v, forward_batch=None, **_):  # (T, N, L+R), (T, 1, L+R), (T, 1, L)
+            T, N, _ = q.shape
+            k, v = (x.transpose(0, 1)[None].expand(1, N, T, -1) for x in (k, v))  # (1, N, T, L+R), (1, N, T, L)
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, scale=scale)
+            return out[0].transpose(0, 1).reshape(T, -1)  # (T, N*L)
+
+    def absorbed(forward_batch):
+        attention.current_attention_backend = "torch_native"
+        return AttnForwardMethod.MLA
+
+    attention.attn_mqa = LatentCausalAttention()
+    attention.dispatch_attn_forward_method = absorbed
+
+    generator = torch.Generator().manual_seed(3)
+    T = 96
+    input_ids = torch.randint(0, config.vocab_size, (T,), generator=generator)  # (T,)
+    positions = torch.arange(T) + 5  # (T,): not from 0, so a rope that ignores positions shows
+    aux = torch.randn(T, config.num_aux_hidden_states * config.hidden_size, generator=generator) * 3  # (T, K*H)
+    forward_batch = SimpleNamespace(
+        mm_input_embeds=None, spec_info=SimpleNamespace(hidden_states=aux), attn_cp_metadata=None,
+        forward_mode=SimpleNamespace(**{name: (lambda: False) for name in (
+            "is_extend", "is_decode", "is_decode_or_idle", "is_target_verify", "is_draft_extend_v2", "is_idle")}),
+        contains_mm_inputs=lambda: False)
+    with torch.no_grad():
+        to_logits, (sglang_next,) = served.model(input_ids, positions, forward_batch)  # (T, H) each
+        sglang_logits = to_logits @ served.lm_head.weight.T  # (T, D)
+
+    exported_config = json.loads((Path(export_dir) / "config.json").read_text())
+
+    def ours(state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        draft = model.Eagle3Draft(model.Config.from_draft_config(exported_config))
+        draft.load_state_dict({**{name: tensor.float() if tensor.is_floating_point() else tensor
+                                  for name, tensor in state.items()}, "embed_tokens.weight": embedding})
+        with torch.no_grad():
+            next_hidden, logits = draft(draft.project(aux[None]), input_ids[None], positions[None],
+                                        model.causal_mask(torch.zeros(1, T, dtype=torch.long)))
+        return next_hidden[0], logits[0]
+
+    # Exports SGLang must not compute the same on: the nope and value rows of each head of kv_b_proj
+    # exchanged (a mixed-up split; both 32 wide here), gate and up exchanged, and two captured states' norms.
+    kv_b = weights["midlayer.self_attn.kv_b_proj.weight"]
+    heads, nope = config.num_attention_heads, config.qk_nope_head_dim
+    per_head = kv_b.view(heads, nope + config.v_head_dim, -1)
+    sabotaged = {
+        "kv_b_split_swapped": {**weights, "midlayer.self_attn.kv_b_proj.weight":
+                               torch.cat([per_head[:, nope:], per_head[:, :nope]], dim=1).reshape(kv_b.shape)},
+        "gate_up_swapped": {**weights, "midlayer.mlp.gate_proj.weight": weights["midlayer.mlp.up_proj.weight"],
+                            "midlayer.mlp.up_proj.weight": weights["midlayer.mlp.gate_proj.weight"]},
+    }
+    if "fc_norm.0.weight" in weights:
+        sabotaged["fc_norms_swapped"] = {**weights, "fc_norm.0.weight": weights["fc_norm.2.weight"],
+                                         "fc_norm.2.weight": weights["fc_norm.0.weight"]}
+    results = {}
+    for name, state in (("exported", weights), *sabotaged.items()):
+        next_hidden, logits = ours(state)
+        results[name] = {"max_out_diff": (next_hidden - sglang_next).abs().max().item(),
+                         "out_scale": sglang_next.abs().max().item(),
+                         "max_logit_diff": (logits - sglang_logits).abs().max().item(),
+                         "logit_scale": sglang_logits.abs().max().item()}
+    return {"unwritten": unwritten, "hot_ids_ok": hot_ids_ok, "num_positions": T,
+            "has_fc_norm": served.model.fc_norm is not None, "norm_output": served.model.norm_output, **results}
+
+
+# SGLang runs the absorbed form (queries projected into the latent space, attention over 80-wide latents), the
+# trainer the decompressed one (per-head keys and values): the same algebra, summed in another order. Measured:
+# 7e-7 (eagle3) and 1.2e-6 (eagle3.1) of each output's scale; an export with two tensors exchanged differs by
+# 0.2 to 0.7 of it.
+MLA_RELATIVE_FP32_TOLERANCE = 1e-5
+
+
+def same_mla_math(result: dict) -> bool:
+    return (result["max_out_diff"] <= MLA_RELATIVE_FP32_TOLERANCE * result["out_scale"]
+            and result["max_logit_diff"] <= MLA_RELATIVE_FP32_TOLERANCE * result["logit_scale"])
+
+
+@pytest.mark.parametrize("options", [{}, {"fc_norm": True, "norm_output": True}], ids=["eagle3", "eagle3.1"])
+def test_sglangs_mla_class_loads_the_export_and_computes_our_forward(random_target, tmp_path, options) -> None:
+    from safetensors.torch import save_file
+
+    from trainer.export import export
+
+    target_dir = random_target("deepseek_v3")
+    config = build_draft_config(target_dir, draft_vocab_size=256, layout="mla", overrides=options)
+    draft = model.Eagle3Draft(model.Config.from_draft_config(config))
+    torch.manual_seed(0)
+    with torch.no_grad():  # weights far from the initialisation's, so every tensor matters
+        for name, parameter in draft.named_parameters():
+            if name.endswith("norm.weight") or name.startswith("fc_norm."):
+                parameter.uniform_(0.5, 1.5)
+            elif name != "embed_tokens.weight":
+                parameter.normal_(std=1.5 / parameter.shape[-1] ** 0.5)
+        draft.d2t.copy_(torch.randperm(4096)[:256].sort().values - torch.arange(256))
+        draft.t2d.zero_()[draft.d2t + torch.arange(256)] = True
+    final = tmp_path / "final"
+    final.mkdir()
+    save_file(model.trainable_state_dict(draft), final / "model.safetensors")
+    (final / "config.json").write_text(json.dumps(config))
+    export(final, tmp_path / "draft")
+    save_file({"embedding": torch.randn(4096, 128, generator=torch.Generator().manual_seed(4))},
+              tmp_path / "embedding.safetensors")
+
+    script = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_trainer_mla as t; "
+              "print('RESULT', json.dumps(t.sglang_mla_check(sys.argv[2], sys.argv[3], int(sys.argv[4]))))")
+    done = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent), str(tmp_path / "draft"),
+                           str(tmp_path / "embedding.safetensors"), str(free_port())],
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
+    check = json.loads(lines[-1].removeprefix("RESULT "))
+    print(check)
+    assert check["unwritten"] == [] and check["hot_ids_ok"]
+    assert check["has_fc_norm"] == bool(options) and check["norm_output"] == bool(options)
+    # The exported bf16 values run in fp32 by both: the same math to fp32 rounding, relative to each output's scale.
+    assert same_mla_math(check["exported"]), check["exported"]
+    sabotaged = [name for name in check if name.endswith("_swapped")]
+    assert len(sabotaged) == (3 if options else 2)
+    for name in sabotaged:
+        assert not same_mla_math(check[name]), (name, check[name])
