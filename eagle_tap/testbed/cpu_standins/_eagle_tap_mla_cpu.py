@@ -13,7 +13,14 @@ pool) is the one SGLang already uses with `torch_native` for decode and for pref
 prefix; using it for fresh prefills too computes the same attention (the absorption is algebra, not
 an approximation) and matches HF transformers' DeepseekV3 within fp32 rounding (tests/test_capture_parity.py).
 
-How. Registering a `torch_native` handler that always answers the absorbed method, through the
+The same holds for the name `intel_amx`: a server with an EAGLE-3 draft builds its attention as
+`IntelAMXAttnBackend` (`_eagle_tap_speculative_cpu.py`), and SGLang stamps the draft's own backends
+(`speculative/draft_utils.py`) with the `intel_amx` entry's name, so an MLA draft layer
+(`Eagle3DeepseekV2ForCausalLM`) asks the registry under that name, finds no entry, and took the MHA method
+into a latent pool 80 wide: `The expanded size of the tensor (80) must match the existing size (48)`.
+Both names get the absorbed method.
+
+How. Registering a handler for each name that always answers the absorbed method, through the
 registry's own `register` (no SGLang file is edited). The registry module is imported lazily inside
 SGLang's scheduler process, so the handler is registered right after that module is executed (or at
 once, if it already was), through `_eagle_tap_import_hooks.after_import`.
@@ -32,17 +39,18 @@ import sys
 from _eagle_tap_import_hooks import after_import
 
 HANDLER_MODULE = "sglang.srt.models.deepseek_common.attention_backend_handler"
-BACKEND_NAME = "torch_native"
+BACKEND_NAMES = ("torch_native", "intel_amx")
 
 
 def _absorbed_mla_method(attn, forward_batch):
-    """The `torch_native` handler: always SGLang's absorbed MLA method (or its CPU-fused twin)."""
+    """The handler: always SGLang's absorbed MLA method (or its CPU-fused twin)."""
     handler_module = sys.modules[HANDLER_MODULE]
     return handler_module._dispatch_mla_subtype(attn, forward_batch)
 
 
 def _register(handler_module) -> None:
-    handler_module.AttentionBackendRegistry.register(BACKEND_NAME, _absorbed_mla_method)
+    for name in BACKEND_NAMES:
+        handler_module.AttentionBackendRegistry.register(name, _absorbed_mla_method)
 
 
 def install() -> None:

@@ -15,11 +15,18 @@ the draft backend maps answer `torch_native` with their `intel_amx` entries. Onl
 linear and MoE layers keep their native torch paths (those follow the CPU's AMX flag, not this backend).
 A server without a draft (capture servers) keeps the plain `TorchNativeAttnBackend`.
 
+One more for the MLA draft (`models/kimi_k25_eagle3.py::Eagle3DeepseekV2ForCausalLM`): its `set_embed` and
+`set_embed_and_head`, which the EAGLE-3 worker calls once to share the target's embedding and head, end in
+`torch.cuda.empty_cache(); torch.cuda.synchronize()`, which raises on a CPU build of torch (the Llama draft's
+twins call `current_platform`'s). On a CPU both are no-ops, so they run as no-ops for the duration of
+those two calls, at start-up, before the scheduler serves anything.
+
 Loaded from the `sgl_kernel` stand-in, so only where the real `sgl_kernel` is missing: never on a GPU machine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 
@@ -27,6 +34,7 @@ from _eagle_tap_import_hooks import after_import
 
 ATTENTION_REGISTRY = "sglang.srt.layers.attention.attention_registry"
 DRAFT_UTILS = "sglang.srt.speculative.draft_utils"
+MLA_DRAFT = "sglang.srt.models.kimi_k25_eagle3"
 
 
 def _serves_a_draft(model_runner) -> bool:
@@ -67,7 +75,36 @@ def _patch_draft_backend_factory(draft_utils: types.ModuleType) -> None:
     factory._create_backend = create_backend_with_torch_native
 
 
+@contextlib.contextmanager
+def _cuda_cache_calls_as_no_ops():
+    import torch
+
+    saved = torch.cuda.empty_cache, torch.cuda.synchronize
+    torch.cuda.empty_cache = torch.cuda.synchronize = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        torch.cuda.empty_cache, torch.cuda.synchronize = saved
+
+
+def _patch_mla_draft(module: types.ModuleType) -> None:
+    draft_class = module.Eagle3DeepseekV2ForCausalLM
+    for name in ("set_embed", "set_embed_and_head"):
+        method = getattr(draft_class, name)
+        if getattr(method, "eagle_tap_speculative_cpu", False):
+            continue
+
+        @functools.wraps(method)
+        def without_cuda_calls(self, *args, _method=method, **kwargs):
+            with _cuda_cache_calls_as_no_ops():
+                return _method(self, *args, **kwargs)
+
+        without_cuda_calls.eagle_tap_speculative_cpu = True
+        setattr(draft_class, name, without_cuda_calls)
+
+
 def install() -> None:
-    """Apply both measures when (or if already) SGLang imports the modules they change."""
+    """Apply the measures when (or if already) SGLang imports the modules they change."""
     after_import(ATTENTION_REGISTRY, _patch_attention_registry)
     after_import(DRAFT_UTILS, _patch_draft_backend_factory)
+    after_import(MLA_DRAFT, _patch_mla_draft)
