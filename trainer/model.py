@@ -111,7 +111,6 @@ class Config:
 
     @classmethod
     def from_draft_config(cls, draft: dict[str, Any]) -> Config:
-
         layout = draft_layout(draft)
         if draft.get("hidden_act", "silu") != "silu" or draft.get("num_hidden_layers", 1) != 1:
             raise ValueError("the draft must be one decoder layer with hidden_act silu")
