@@ -1,4 +1,5 @@
-"""Export: SGLang's own LlamaForCausalLMEagle3 loads the folder and computes our draft's forward; refusals; config."""
+"""Export: SGLang's own LlamaForCausalLMEagle3 loads the folder and computes our draft's forward (on text and on an
+image request's input embeddings); refusals; config."""
 
 from __future__ import annotations
 
@@ -150,15 +151,43 @@ def sglang_check(export_dir: str, record_shards: str, port: int) -> dict:
         to_logits, (sglang_out,) = served.model(input_ids, positions, forward_batch)  # (T, H) each
         sglang_logits = to_logits @ served.lm_head.weight[:draft_vocab].T  # (T, D)
 
-    def ours(state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    # An image request's draft extend after the prefill, as SGLang runs it: mm_input_embeds holds the target's input
+    # embeddings rotated by one like the ids, other embeddings (the vision tower's) at the rows whose next token is
+    # an image position (here rows 20-31 of the record), and the class embeds the appended next token itself.
+    image_rows = torch.zeros(len(input_ids), dtype=torch.bool)  # (T,)
+    image_rows[20:32] = True
+    image_embeds = torch.randn(12, config.hidden_size, generator=torch.Generator().manual_seed(7)) * embedding.std()
+    mm_input_embeds = embedding.float()[input_ids].clone()  # (T, H)
+    mm_input_embeds[image_rows] = image_embeds
+    image_batch = SimpleNamespace(
+        mm_input_embeds=mm_input_embeds, spec_info=SimpleNamespace(hidden_states=aux),
+        extend_start_loc=torch.tensor([0]), extend_seq_lens=torch.tensor([len(input_ids)]),
+        forward_mode=SimpleNamespace(is_extend=lambda: True, is_draft_extend_v2=lambda: False),
+        contains_mm_inputs=lambda: True)
+    with torch.no_grad():
+        image_to_logits, (sglang_image_out,) = served.model(input_ids, positions, image_batch)  # (T, H) each
+        sglang_image_logits = image_to_logits @ served.lm_head.weight[:draft_vocab].T  # (T, D)
+
+    def ours(state: dict, image_inputs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """image_inputs: the trainer's input_embeds at the image rows (else every row embeds its id)."""
         exported_config = json.loads((Path(export_dir) / "config.json").read_text())
         draft = model.Eagle3Draft(model.Config.from_draft_config(exported_config))
         draft.load_state_dict({**{name: tensor.float() if tensor.is_floating_point() else tensor
                                   for name, tensor in state.items()}, "embed_tokens.weight": embedding.float()})
+        images = {}
+        if image_inputs:
+            embeds = torch.zeros(len(input_ids), config.hidden_size)  # (T, H)
+            embeds[image_rows] = image_embeds
+            images = {"input_embeds": embeds[None], "input_embed_mask": image_rows[None]}
         with torch.no_grad():
             out, logits = draft(draft.fc(aux[None]), input_ids[None], positions[None],
-                                model.causal_mask(torch.zeros(1, len(input_ids), dtype=torch.long)))
+                                model.causal_mask(torch.zeros(1, len(input_ids), dtype=torch.long)), **images)
         return out[0], logits[0]
+
+    def compared(ours_out: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor, logits: torch.Tensor) -> dict:
+        return {"max_out_diff": (ours_out[0] - out).abs().max().item(), "out_scale": out.abs().max().item(),
+                "max_logit_diff": (ours_out[1] - logits).abs().max().item(), "logit_scale": logits.abs().max().item(),
+                "argmax_agreement": (ours_out[1].argmax(-1) == logits.argmax(-1)).float().mean().item()}
 
     trained = load_file(Path(export_dir).parent / "run-final.safetensors")  # the fp32 weights before export
     # Two exports with one pair of same-shaped tensors exchanged: what a wrong name or layout would load.
@@ -166,15 +195,11 @@ def sglang_check(export_dir: str, record_shards: str, port: int) -> dict:
                   "midlayer.self_attn.v_proj.weight": weights["midlayer.self_attn.k_proj.weight"]}
     gate_up_swapped = {**weights, "midlayer.mlp.gate_proj.weight": weights["midlayer.mlp.up_proj.weight"],
                        "midlayer.mlp.up_proj.weight": weights["midlayer.mlp.gate_proj.weight"]}
-    results = {}
-    for name, state in (("exported", weights), ("trained_fp32", trained),
-                        ("kv_swapped", kv_swapped), ("gate_up_swapped", gate_up_swapped)):
-        out, logits = ours(state)
-        results[name] = {"max_out_diff": (out - sglang_out).abs().max().item(),
-                         "out_scale": sglang_out.abs().max().item(),
-                         "max_logit_diff": (logits - sglang_logits).abs().max().item(),
-                         "logit_scale": sglang_logits.abs().max().item(),
-                         "argmax_agreement": (logits.argmax(-1) == sglang_logits.argmax(-1)).float().mean().item()}
+    results = {name: compared(ours(state), sglang_out, sglang_logits)
+               for name, state in (("exported", weights), ("trained_fp32", trained),
+                                   ("kv_swapped", kv_swapped), ("gate_up_swapped", gate_up_swapped))}
+    results["image_captured"] = compared(ours(weights, image_inputs=True), sglang_image_out, sglang_image_logits)
+    results["image_placeholder"] = compared(ours(weights), sglang_image_out, sglang_image_logits)
     return {"unwritten": unwritten, "hot_ids_ok": hot_ids_ok, "num_positions": len(input_ids), **results}
 
 
@@ -212,5 +237,9 @@ def test_sglangs_own_eagle3_class_loads_the_folder_and_computes_our_forward(tmp_
     assert same_math(check["exported"]), check["exported"]
     # The check can fail: an export with two same-shaped tensors exchanged is far outside it.
     assert not same_math(check["kv_swapped"]) and not same_math(check["gate_up_swapped"])
+    # On an image request SGLang's draft reads the target's input embeddings at the image rows: the trainer's
+    # input_embeds there give its forward; the embedding of the rows' ids (a draft fed placeholders) does not.
+    assert same_math(check["image_captured"]), check["image_captured"]
+    assert not same_math(check["image_placeholder"]), check["image_placeholder"]
     # The trained fp32 weights against SGLang on the exported bf16 ones: within bf16 tolerance.
     assert check["trained_fp32"]["max_logit_diff"] < 0.02 * check["trained_fp32"]["logit_scale"] + 0.05

@@ -238,6 +238,9 @@ def sglang_mla_check(export_dir: str, embedding_path: str, port: int) -> dict:
     T = 96
     input_ids = torch.randint(0, config.vocab_size, (T,), generator=generator)  # (T,)
     positions = torch.arange(T) + 5  # (T,): not from 0, so a rope that ignores positions shows
+    image_rows = torch.zeros(T, dtype=torch.bool)  # (T,): rows 20-31 of an image request's draft extend
+    image_rows[20:32] = True
+    input_ids[image_rows] = config.vocab_size - 1  # one placeholder id, as a record holds at image positions
     aux = torch.randn(T, config.num_aux_hidden_states * config.hidden_size, generator=generator) * 3  # (T, K*H)
     forward_batch = SimpleNamespace(
         mm_input_embeds=None, spec_info=SimpleNamespace(hidden_states=aux), attn_cp_metadata=None,
@@ -248,16 +251,43 @@ def sglang_mla_check(export_dir: str, embedding_path: str, port: int) -> dict:
         to_logits, (sglang_next,) = served.model(input_ids, positions, forward_batch)  # (T, H) each
         sglang_logits = to_logits @ served.lm_head.weight.T  # (T, D)
 
+    # An image request's draft extend after the prefill, as SGLang runs it: mm_input_embeds holds the target's input
+    # embeddings rotated by one like the ids, the vision tower's output at the rows whose next token is an image
+    # position, and the class itself puts the embedding of the appended next token in the last row.
+    image_embeds = torch.randn(int(image_rows.sum()), config.hidden_size, generator=generator) * embedding.std()
+    mm_input_embeds = embedding[input_ids].clone()  # (T, H)
+    mm_input_embeds[image_rows] = image_embeds
+    image_batch = SimpleNamespace(**{
+        **vars(forward_batch), "mm_input_embeds": mm_input_embeds, "contains_mm_inputs": lambda: True,
+        "extend_start_loc": torch.tensor([0]), "extend_seq_lens": torch.tensor([T]),
+        "forward_mode": SimpleNamespace(**{**vars(forward_batch.forward_mode), "is_extend": lambda: True})})
+    with torch.no_grad():
+        image_to_logits, (sglang_image_next,) = served.model(input_ids, positions, image_batch)  # (T, H) each
+        sglang_image_logits = image_to_logits @ served.lm_head.weight.T  # (T, D)
+
     exported_config = json.loads((Path(export_dir) / "config.json").read_text())
 
-    def ours(state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def ours(state: dict, image_inputs: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """image_inputs: None (a text request), "captured" (the trainer's input_embeds at the image rows) or
+        "placeholder" (the image rows' ids embedded instead, what a draft trained without the embeddings sees)."""
         draft = model.Eagle3Draft(model.Config.from_draft_config(exported_config))
         draft.load_state_dict({**{name: tensor.float() if tensor.is_floating_point() else tensor
                                   for name, tensor in state.items()}, "embed_tokens.weight": embedding})
+        images = {}
+        if image_inputs == "captured":
+            embeds = torch.zeros(T, config.hidden_size)
+            embeds[image_rows] = image_embeds
+            images = {"input_embeds": embeds[None], "input_embed_mask": image_rows[None]}
         with torch.no_grad():
             next_hidden, logits = draft(draft.project(aux[None]), input_ids[None], positions[None],
-                                        model.causal_mask(torch.zeros(1, T, dtype=torch.long)))
+                                        model.causal_mask(torch.zeros(1, T, dtype=torch.long)), **images)
         return next_hidden[0], logits[0]
+
+    def compared(ours_out: tuple[torch.Tensor, torch.Tensor], next_hidden: torch.Tensor,
+                 logits: torch.Tensor) -> dict:
+        return {"max_out_diff": (ours_out[0] - next_hidden).abs().max().item(),
+                "out_scale": next_hidden.abs().max().item(),
+                "max_logit_diff": (ours_out[1] - logits).abs().max().item(), "logit_scale": logits.abs().max().item()}
 
     # Exports SGLang must not compute the same on: the nope and value rows of each head of kv_b_proj
     # exchanged (a mixed-up split; both 32 wide here), gate and up exchanged, and two captured states' norms.
@@ -273,15 +303,13 @@ def sglang_mla_check(export_dir: str, embedding_path: str, port: int) -> dict:
     if "fc_norm.0.weight" in weights:
         sabotaged["fc_norms_swapped"] = {**weights, "fc_norm.0.weight": weights["fc_norm.2.weight"],
                                          "fc_norm.2.weight": weights["fc_norm.0.weight"]}
-    results = {}
-    for name, state in (("exported", weights), *sabotaged.items()):
-        next_hidden, logits = ours(state)
-        results[name] = {"max_out_diff": (next_hidden - sglang_next).abs().max().item(),
-                         "out_scale": sglang_next.abs().max().item(),
-                         "max_logit_diff": (logits - sglang_logits).abs().max().item(),
-                         "logit_scale": sglang_logits.abs().max().item()}
+    results = {name: compared(ours(state), sglang_next, sglang_logits)
+               for name, state in (("exported", weights), *sabotaged.items())}
+    images = {name: compared(ours(weights, name), sglang_image_next, sglang_image_logits)
+              for name in ("captured", "placeholder")}
     return {"unwritten": unwritten, "hot_ids_ok": hot_ids_ok, "num_positions": T,
-            "has_fc_norm": served.model.fc_norm is not None, "norm_output": served.model.norm_output, **results}
+            "has_fc_norm": served.model.fc_norm is not None, "norm_output": served.model.norm_output,
+            "images": images, **results}
 
 
 # SGLang runs the absorbed form (queries projected into the latent space, attention over 80-wide latents), the
@@ -339,3 +367,7 @@ def test_sglangs_mla_class_loads_the_export_and_computes_our_forward(random_targ
     assert len(sabotaged) == (3 if options else 2)
     for name in sabotaged:
         assert not same_mla_math(check[name]), (name, check[name])
+    # On an image request SGLang's draft reads the target's input embeddings at the image rows: the trainer's
+    # input_embeds there give its forward, the embedding of the rows' ids (a draft fed placeholders) does not.
+    assert same_mla_math(check["images"]["captured"]), check["images"]
+    assert not same_mla_math(check["images"]["placeholder"]), check["images"]
