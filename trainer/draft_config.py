@@ -99,8 +99,11 @@ def build_draft_config(
         attention = {"model_type": "deepseek_v3", "num_key_value_heads": heads,
                      **{key: target[key] for key in MLA_TARGET_KEYS}, "rope_interleave": True}
     else:
+        # An MLA target's head_dim is its rope width (transformers' DeepseekV3Config writes qk_rope_head_dim there),
+        # not a head of its attention: the Llama draft then takes hidden / heads.
+        mla_target = all(target.get(key) for key in MLA_TARGET_KEYS)
         attention = {"model_type": "llama", "num_key_value_heads": target.get("num_key_value_heads") or heads,
-                     "head_dim": target.get("head_dim") or target["hidden_size"] // heads}
+                     "head_dim": (None if mla_target else target.get("head_dim")) or target["hidden_size"] // heads}
     config: dict[str, Any] = {
         "architectures": [LAYOUT_ARCHITECTURES[layout]],
         "model_type": attention.pop("model_type"),
