@@ -42,6 +42,8 @@ class RecordTokens:
     token_ids: np.ndarray
     """int32 [T]."""
     loss_spans: tuple[tuple[int, int], ...]
+    input_embed_spans: tuple[tuple[int, int], ...] = ()
+    """The image positions (records.CaptureRecord.input_embed_spans); () for a record without images."""
 
     def loss_mask(self) -> np.ndarray:
         """uint8 [T]: 1 on tokens inside a loss span."""
@@ -110,7 +112,8 @@ def read_frame_start(pread: Pread, entry: IndexEntry, shard_name: str, *, with_t
 def _read_naming(pread: Pread, entry: IndexEntry, shard_name: str) -> RecordTokens:
     start = read_frame_start(pread, entry, shard_name, with_token_ids=True)
     assert start.token_ids is not None
-    return RecordTokens(record_id=start.info.record_id, token_ids=start.token_ids, loss_spans=start.info.loss_spans)
+    return RecordTokens(record_id=start.info.record_id, token_ids=start.token_ids, loss_spans=start.info.loss_spans,
+                        input_embed_spans=start.info.input_embed_spans)
 
 
 def read_token_ids(entry: IndexEntry, fd: int | None = None) -> RecordTokens:

@@ -76,6 +76,9 @@ class Prompt:
     key: str
     """The conversation's stable digest (`client.conversations`)."""
     input_ids: list[int]
+    images: tuple[str, ...] = ()
+    """The prompt's images in order (sent as `image_data`; input_ids hold one placeholder each, which SGLang
+    expands to the image's features)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -109,7 +112,8 @@ def load_prompts(data: Path, target: Path, *, max_prompts: int | None = None,
             skipped.append(f"{item.source}:{item.line}: no user turn to answer")
             continue
         try:
-            prompts.append(Prompt(item.key, chat.render_ids(messages, add_generation_prompt=True)))
+            images = tuple(image for message in messages for image in message.get("images", ()))
+            prompts.append(Prompt(item.key, chat.render_ids(messages, add_generation_prompt=True), images))
         except SpanError as error:
             skipped.append(f"{item.source}:{item.line}: {error}")
     if not prompts:
@@ -119,7 +123,8 @@ def load_prompts(data: Path, target: Path, *, max_prompts: int | None = None,
 
 def prompts_from_shards(shard_dir: Path, *, max_prompts: int | None = None) -> tuple[list[Prompt], list[str]]:
     """(prompts, reasons for the records skipped): each record's ids before its last loss span, so that the
-    served answer is generated where `eval` scores the record's last assistant turn."""
+    served answer is generated where `eval` scores the record's last assistant turn. Records of image requests
+    are skipped: their ids hold each image's expanded placeholders, which SGLang cannot serve without the image."""
     from capture_format import ShardDirectory
     from capture_format.token_ids import read_token_ids
 
@@ -132,15 +137,24 @@ def prompts_from_shards(shard_dir: Path, *, max_prompts: int | None = None) -> t
             if not tokens.loss_spans or tokens.loss_spans[-1][0] == 0:
                 skipped.append(f"{entry.record_id}: no loss span after a prompt")
                 continue
+            if tokens.input_embed_spans:  # its ids hold each image expanded, not the image: serve the conversation
+                skipped.append(f"{entry.record_id}: a record of an image request (serve its conversations with "
+                               "--data, which sends the images)")
+                continue
             prompts.append(Prompt(entry.record_id, tokens.token_ids[: tokens.loss_spans[-1][0]].tolist()))
     if not prompts:
         raise ValueError(f"{shard_dir} holds no record with a prompt before a loss span ({len(skipped)} skipped)")
     return prompts, skipped
 
 
+def image_data(prompt: Prompt) -> dict[str, list[str]]:
+    """The request's `image_data`, when the prompt has images."""
+    return {"image_data": list(prompt.images)} if prompt.images else {}
+
+
 def generate(client: httpx.Client, url: str, prompt: Prompt, max_new_tokens: int) -> Generation:
     """One greedy generation, streamed so that decode time excludes the prefill."""
-    payload = {"input_ids": prompt.input_ids, "stream": True,
+    payload = {"input_ids": prompt.input_ids, "stream": True, **image_data(prompt),
                "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
     last: dict[str, Any] | None = None
     first_token_at = None
@@ -182,7 +196,7 @@ def explain_mismatches(url: str, prompts: Sequence[Prompt], baseline: Sequence[G
                 continue
             index = next((i for i, (a, b) in enumerate(zip(base.output_ids, spec.output_ids)) if a != b),
                          min(len(base.output_ids), len(spec.output_ids)))
-            payload = {"input_ids": prompt.input_ids + base.output_ids[:index], "return_logprob": True,
+            payload = {"input_ids": prompt.input_ids + base.output_ids[:index], **image_data(prompt), "return_logprob": True,
                        "top_logprobs_num": 2, "sampling_params": {"temperature": 0, "max_new_tokens": 1}}
             response = client.post(f"{url}/generate", json=payload)
             response.raise_for_status()
