@@ -37,6 +37,8 @@ BENCHMARKS: dict[str, str] = {
     "swap": "eagle_tap.bench.swap",
     "long": "eagle_tap.bench.long",
     "trainer-scale": "eagle_tap.bench.trainer_scale",
+    "draft-layouts": "eagle_tap.bench.draft_layouts",
+    "served-images": "eagle_tap.bench.served_images",
 }
 """Benchmark name (as `--only` takes it) -> module with `Config` and `run(config)`."""
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,40 @@
+"""Both draft layouts of an MLA target, trained on the same records and served by SGLang's EAGLE-3 (CPU).
+
+`eagle-tap bench --only draft-layouts` and `--only served-images` at their quick size, in fp32: on the tiny
+DeepSeek-V3, and on the tiny Kimi-K2.5 (`KimiK25ForConditionalGeneration`) with half the conversations
+sending an image. A capture server with the plugin and a real collector, `fire --regenerate`, one vocab
+mapping, the Llama and the MLA draft trained, evaluated and exported, then each served by its own SGLang
+server beside a draftless one, on the held-out conversations (their images sent along).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle_tap.bench import draft_layouts, served_images
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.mark.parametrize("bench", [draft_layouts, served_images], ids=["deepseek_v3", "kimi_k25-images"])
+def test_llama_and_mla_drafts_trained_on_the_same_records_serve_the_targets_greedy_answers(bench, tmp_path):
+    config = bench.Config.quick()
+    config.dtype, config.work_dir = "float32", str(tmp_path)
+    result = draft_layouts.run(config)
+    rows = {row["item"]: row for row in result["rows"]}
+    print({item: {key: value for key, value in row.items() if key != "mismatches"} for item, row in rows.items()})
+    kinds = [", image requests", ", text requests"] if config.images else [""]
+    assert sorted(rows) == sorted(layout + kind for layout in ("llama", "mla") for kind in kinds)
+    for item, row in rows.items():
+        layout = item.split(",")[0]
+        assert row["architecture"] == {"llama": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCausalLM"}[layout]
+        # One latent (64) and the shared rope key (16) per token, against K and V of 4 heads of 32.
+        assert row["kv_bytes"] == {"llama": 2 * 4 * 32 * 2, "mla": (64 + 16) * 2}[layout]
+        # Speculative decoding never changes a greedy fp32 answer, whichever layout drafts it, image or not.
+        num_identical, num_prompts = map(int, row["identical"].split("/"))
+        assert num_prompts >= 2 and num_identical == num_prompts, (item, row["mismatches"])
+        # SGLang's acceptance follows the trainer's simulated walk of the same draft on the same conversations: a
+        # served draft computing something else than the one trained (a wrong tensor, rope or norm; image rows
+        # fed other embeddings) would accept next to nothing. Two or three prompts of 16 tokens: a loose band.
+        assert row["simulated_walk"] > 1.05, (item, row)
+        assert 0.75 <= row["served_over_walk"] <= 1.3, (item, row)
