@@ -324,3 +324,72 @@ def test_a_tagged_image_request_is_captured_with_the_input_embeddings_the_langua
     assert regen_record.input_embed_spans == ((at, at + num_features),)
     assert regen_record.loss_spans == ((prompt_length, regen_record.num_tokens),)  # the generated answer
     np.testing.assert_array_equal(regen_record.input_embeds, record.input_embeds)
+
+
+def random_mla_draft(target_dir: Path, out: Path) -> Path:
+    """An exported MLA draft (`draft-config --layout mla`) of the target with its seed-0 initialisation, fp32."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from trainer import model
+    from trainer.draft_config import build_draft_config
+    from trainer.export import export
+
+    config = build_draft_config(target_dir, draft_vocab_size=256, layout="mla", overrides={"torch_dtype": "float32"})
+    torch.manual_seed(0)
+    draft = model.Eagle3Draft(model.Config.from_draft_config(config))
+    with torch.no_grad():
+        draft.t2d.zero_()[torch.arange(256)] = True  # d2t 0: the draft predicts the first 256 ids
+    final = out / "final"
+    final.mkdir(parents=True)
+    save_file(model.trainable_state_dict(draft), final / "model.safetensors")
+    (final / "config.json").write_text(json.dumps(config))
+    return export(final, out / "draft")
+
+
+@pytest.mark.for_params("kimi_k25")
+def test_a_kimi_replica_serving_an_mla_draft_stores_the_image_record_a_draftless_one_stores(
+        target, collector, random_target, start_sglang_for_test, tmp_path):
+    """Kimi-K2.5 serving an EAGLE-3 draft of the MLA layout (SGLang's Eagle3DeepseekV2ForCausalLM, reading the
+    target's input embeddings at the image positions): the same tagged image request stores the record the
+    draftless fp32 server stores (ids, image positions, input embeddings, states), and the same answer."""
+    import base64
+
+    from capture_format.tag import CaptureTag
+    from eagle_tap.serve.draft import SpeculativeConfig
+    from eagle_tap.serve.http_api import post_json
+    from sglang_patch.speculative import METADATA_KEY
+
+    model_dir = random_target("kimi_k25")
+    draft = random_mla_draft(model_dir, tmp_path / "mla")
+    spool = tmp_path / "spool"
+    served = start_sglang_for_test(model_dir, extra_args=(
+        "--dtype", "float32", "--trust-remote-code",
+        *SpeculativeConfig(draft_dir=draft, num_steps=3).server_args()),
+        env={"EAGLE_TAP_COLLECTOR_URL": collector.url, "EAGLE_TAP_SPOOL_DIR": str(spool)})
+    image = Path(__file__).parent / "fixtures" / "images" / "gradient-84x56.png"  # 6x4 patches: 6 features
+    text = "<|user|>what is<|media_pad|>this<|end|><|assistant|>"
+    answers, records = {}, {}
+    for name, server in (("draftless", target.fp32), ("mla-draft", served)):
+        tag = CaptureTag(record_id=f"kimi-image-{name}", sample_id=f"kimi-image-{name}", loss_spans=(), metadata={})
+        answers[name] = post_json(f"{server.url}/generate", {
+            "text": text, "image_data": ["data:image/png;base64," + base64.b64encode(image.read_bytes()).decode()],
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "custom_params": tag.to_custom_params()}})
+        records[name] = stored_record(collector, f"kimi-image-{name}")
+    reference, record = records["draftless"], records["mla-draft"]
+    assert answers["mla-draft"]["output_ids"] == answers["draftless"]["output_ids"]
+    assert answers["mla-draft"]["meta_info"]["spec_verify_ct"] > 0 and answers["mla-draft"]["meta_info"]["image_tokens"] == 6
+    assert record.schema_version == reference.schema_version == 2
+    assert record.token_ids.tolist() == reference.token_ids.tolist()
+    assert record.input_embed_spans == reference.input_embed_spans and len(record.input_embed_spans) == 1
+    assert record.num_states == reference.num_states and record.num_tokens == reference.num_tokens
+    np.testing.assert_allclose(np.asarray(record.input_embeds), np.asarray(reference.input_embeds), rtol=0, atol=1e-6)
+    for states in (aux_as_float, final_as_float):
+        got, want = states(record), states(reference)
+        errors = np.sqrt(((got - want) ** 2).reshape(len(got), -1).sum(1) / (want ** 2).reshape(len(want), -1).sum(1))
+        assert errors.max() < FP32_REL_TOL, errors.max()
+    assert METADATA_KEY in record.metadata and METADATA_KEY not in reference.metadata
+    stats = wait_for(lambda: (s := read_stats(spool)).get("captured_images") and s, 30,
+                     "the plugin's count of image captures")
+    assert stats.get("dropped", {}) == {} and stats.get("hook_errors", 0) == 0 and stats["captured_images"] == 1
