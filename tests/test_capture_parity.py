@@ -216,12 +216,45 @@ def test_fp32_greedy_answers_equal_transformers(target):
     assert served == reference, (target.case.arch, served, reference)
 
 
+def kimi_image_features(model_dir: Path, image: Path) -> np.ndarray:
+    """(features, H) fp32: transformers' own Kimi-K2.5 vision tower and projector (`Kimi_K25Model.get_image_features`,
+    an implementation independent of SGLang's) on the image as the checkpoint's processor prepares it, with the
+    checkpoint's weights. transformers' config names the tower's settings otherwise (Kimi-K2.6's layout): they are
+    mapped from the checkpoint's `vision_config`."""
+    import json
+
+    from PIL import Image
+    from transformers import AutoProcessor
+    from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
+    from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25ForConditionalGeneration
+
+    raw = json.loads((model_dir / "config.json").read_text())
+    vision = raw["vision_config"]
+    config = Kimi_K25Config(
+        text_config=raw["text_config"], tie_word_embeddings=False, image_token_id=raw["media_placeholder_token_id"],
+        projection_hidden_size=vision["vt_hidden_size"], projection_layer_norm_eps=vision["projector_ln_eps"],
+        vision_config={"patch_size": vision["patch_size"], "pos_emb_height": vision["init_pos_emb_height"],
+                       "pos_emb_width": vision["init_pos_emb_width"], "pos_emb_time": vision["init_pos_emb_time"],
+                       "num_attention_heads": vision["vt_num_attention_heads"],
+                       "num_hidden_layers": vision["vt_num_hidden_layers"], "hidden_size": vision["vt_hidden_size"],
+                       "intermediate_size": vision["vt_intermediate_size"],
+                       "merge_kernel_size": vision["merge_kernel_size"]})
+    model = Kimi_K25ForConditionalGeneration.from_pretrained(model_dir, config=config, dtype=torch.float32).eval()
+    processed = AutoProcessor.from_pretrained(model_dir, trust_remote_code=True).image_processor.preprocess(
+        [{"type": "image", "image": Image.open(image).convert("RGB")}], return_tensors="pt")
+    with torch.no_grad():
+        features = model.model.get_image_features(processed["pixel_values"].float(),
+                                                  image_grid_thw=processed["grid_thws"]).pooler_output
+    return features[0].numpy()
+
+
 @pytest.mark.for_params("kimi_k25")  # the one target here that takes images
 def test_a_tagged_image_request_is_captured_with_the_input_embeddings_the_language_model_read(target, collector,
                                                                                            random_target, tmp_path):
     """Kimi-K2.5's tower runs on SGLang's CPU path. The record holds the ids as the server expanded them (the
     placeholder once per image feature), marks the image positions, holds the target's input embeddings
-    there, and its states equal transformers' DeepSeek-V3 run on exactly those embeddings (fp32): wrong rows
+    there (equal to transformers' Kimi-K2.5 vision tower and projector on the same image, fp32), and its states
+    equal transformers' DeepSeek-V3 run on exactly those embeddings (fp32): wrong rows
     of embeddings, or a placeholder's embedding in their place, would give other states. The same image as live
     traffic of the bf16 server (captured in one pass), and in a conversation fired by `eagle-tap fire`, as
     is and regenerated: the same embeddings, the answer's span moved past the image."""
@@ -269,6 +302,13 @@ def test_a_tagged_image_request_is_captured_with_the_input_embeddings_the_langua
     print(check_record(record, reference, layers=target.case.default_layers, metric=relative_error,
                        tolerance=FP32_REL_TOL, what="kimi image fp32"))
     assert not torch.allclose(placeholder, torch.from_numpy(np.array(record.input_embeds[0])), atol=1e-3)
+    # The embeddings themselves: transformers' Kimi-K2.5 tower and projector on the same image and weights.
+    tower = kimi_image_features(random_target("kimi_k25"), image)  # (6, H)
+    tower_error = relative_error(np.array(record.input_embeds), tower)
+    print(f"kimi image fp32: input embeddings against transformers' vision tower and projector {tower_error:.2e}")
+    assert tower_error < 1e-5, tower_error
+    other = kimi_image_features(random_target("kimi_k25"), image.with_name("gradient-84x56.png"))  # also 6 features
+    assert relative_error(np.array(record.input_embeds), other) > 0.1  # the check tells images apart
     # Live: an untagged image request to the bf16 server that samples all traffic is captured in one pass.
     image_data = ["data:image/png;base64," + base64.b64encode(image.read_bytes()).decode()]
     post_json(f"{target.custom.url}/generate", {
