@@ -51,7 +51,7 @@ def _bench(args: argparse.Namespace) -> int:
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench", help="run the benchmarks (codecs, collector, capture, live, trainer, objstore, served, spec-capture, "
-        "swap, long); write bench.json and bench.md",
+        "swap, long, trainer-scale, draft-layouts, served-images); write bench.json and bench.md",
         description="Measure, side by side in one run: codec ratio, MB/s and error (raw, zstd, bf16-split, "
         "bf16-channel, the lossy codecs) and the acceptance of drafts trained on each lossy codec; collector "
         "ingest MB/s against the disk alone and the raw-socket loopback ceiling; SGLang throughput with the "
@@ -61,7 +61,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "(throughput with the plugin at 10% and 100% vs not loaded, coverage, the records' acceptance vs SGLang's, "
         "capture CPU per token); swapping a served draft's weights in place through SGLang's weight-update API (wall "
         "time, scheduler pause, ms per GB, checksums, idle and under load); peak memory of the capturing server, the "
-        "collector and a training step against record length (1K to 64K tokens). Full run: about 10 minutes on 2 cores, "
+        "collector and a training step against record length (1K to 64K tokens); the Llama and the MLA draft layout of an "
+        "MLA target trained on the same records and served (draft-layouts; served-images: the tiny Kimi-K2.5 with "
+        "image requests). Full run: about 10 minutes on 2 cores, plus about 25 for draft-layouts and served-images, "
         "plus about 30 for long (two 64K-token prefills).",
     )
     bench.add_argument("--out", default="bench-results", help="directory for bench.json and bench.md "
