@@ -87,6 +87,33 @@ def test_the_exporter_refuses_a_missing_tensor_or_a_wrong_shape(tmp_path: Path, 
     assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]  # nothing written, no temp folder left
 
 
+def compared(ours_out: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor, logits: torch.Tensor) -> dict:
+    """Our draft's (next hidden, logits) against SGLang's: the largest differences and each output's scale."""
+    return {"max_out_diff": (ours_out[0] - out).abs().max().item(), "out_scale": out.abs().max().item(),
+            "max_logit_diff": (ours_out[1] - logits).abs().max().item(), "logit_scale": logits.abs().max().item(),
+            "argmax_agreement": (ours_out[1].argmax(-1) == logits.argmax(-1)).float().mean().item()}
+
+
+def image_draft_extend(text_batch, embedding: torch.Tensor, input_ids: torch.Tensor, image_rows: torch.Tensor,
+                       image_embeds: torch.Tensor) -> tuple[object, dict]:
+    """(SGLang's forward batch of an image request's draft extend after the prefill, the trainer's image inputs),
+    from text_batch (the stand-in batch of the same rows as text). SGLang's mm_input_embeds holds the target's
+    input embeddings rotated by one like the ids, other embeddings (the vision tower's) at the rows whose next
+    token is an image position, and the draft class embeds the appended next token (the last row) itself.
+    embedding (V, H); input_ids (T,); image_rows (T,) bool; image_embeds (n, H), one per image row."""
+    from types import SimpleNamespace
+
+    mm_input_embeds = embedding[input_ids].clone()  # (T, H)
+    mm_input_embeds[image_rows] = image_embeds
+    batch = SimpleNamespace(**{
+        **vars(text_batch), "mm_input_embeds": mm_input_embeds, "contains_mm_inputs": lambda: True,
+        "extend_start_loc": torch.tensor([0]), "extend_seq_lens": torch.tensor([len(input_ids)]),
+        "forward_mode": SimpleNamespace(**{**vars(text_batch.forward_mode), "is_extend": lambda: True})})
+    embeds = torch.zeros(len(input_ids), embedding.shape[1])  # (T, H)
+    embeds[image_rows] = image_embeds
+    return batch, {"input_embeds": embeds[None], "input_embed_mask": image_rows[None]}
+
+
 def sglang_check(export_dir: str, record_shards: str, port: int) -> dict:
     """Run in a fresh process: load the folder with SGLang's class and compare its forward with our draft's."""
     from eagle_tap.serve.sglang_server import use_cpu_stand_ins_in_this_process
@@ -151,43 +178,24 @@ def sglang_check(export_dir: str, record_shards: str, port: int) -> dict:
         to_logits, (sglang_out,) = served.model(input_ids, positions, forward_batch)  # (T, H) each
         sglang_logits = to_logits @ served.lm_head.weight[:draft_vocab].T  # (T, D)
 
-    # An image request's draft extend after the prefill, as SGLang runs it: mm_input_embeds holds the target's input
-    # embeddings rotated by one like the ids, other embeddings (the vision tower's) at the rows whose next token is
-    # an image position (here rows 20-31 of the record), and the class embeds the appended next token itself.
-    image_rows = torch.zeros(len(input_ids), dtype=torch.bool)  # (T,)
+    image_rows = torch.zeros(len(input_ids), dtype=torch.bool)  # (T,): rows 20-31 of the record are image rows
     image_rows[20:32] = True
     image_embeds = torch.randn(12, config.hidden_size, generator=torch.Generator().manual_seed(7)) * embedding.std()
-    mm_input_embeds = embedding.float()[input_ids].clone()  # (T, H)
-    mm_input_embeds[image_rows] = image_embeds
-    image_batch = SimpleNamespace(
-        mm_input_embeds=mm_input_embeds, spec_info=SimpleNamespace(hidden_states=aux),
-        extend_start_loc=torch.tensor([0]), extend_seq_lens=torch.tensor([len(input_ids)]),
-        forward_mode=SimpleNamespace(is_extend=lambda: True, is_draft_extend_v2=lambda: False),
-        contains_mm_inputs=lambda: True)
+    image_batch, image_inputs = image_draft_extend(forward_batch, embedding.float(), input_ids, image_rows, image_embeds)
     with torch.no_grad():
         image_to_logits, (sglang_image_out,) = served.model(input_ids, positions, image_batch)  # (T, H) each
         sglang_image_logits = image_to_logits @ served.lm_head.weight[:draft_vocab].T  # (T, D)
 
-    def ours(state: dict, image_inputs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """image_inputs: the trainer's input_embeds at the image rows (else every row embeds its id)."""
+    def ours(state: dict, images: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """images: the trainer's image inputs (input_embeds, input_embed_mask); None: every row embeds its id."""
         exported_config = json.loads((Path(export_dir) / "config.json").read_text())
         draft = model.Eagle3Draft(model.Config.from_draft_config(exported_config))
         draft.load_state_dict({**{name: tensor.float() if tensor.is_floating_point() else tensor
                                   for name, tensor in state.items()}, "embed_tokens.weight": embedding.float()})
-        images = {}
-        if image_inputs:
-            embeds = torch.zeros(len(input_ids), config.hidden_size)  # (T, H)
-            embeds[image_rows] = image_embeds
-            images = {"input_embeds": embeds[None], "input_embed_mask": image_rows[None]}
         with torch.no_grad():
             out, logits = draft(draft.fc(aux[None]), input_ids[None], positions[None],
-                                model.causal_mask(torch.zeros(1, len(input_ids), dtype=torch.long)), **images)
+                                model.causal_mask(torch.zeros(1, len(input_ids), dtype=torch.long)), **(images or {}))
         return out[0], logits[0]
-
-    def compared(ours_out: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor, logits: torch.Tensor) -> dict:
-        return {"max_out_diff": (ours_out[0] - out).abs().max().item(), "out_scale": out.abs().max().item(),
-                "max_logit_diff": (ours_out[1] - logits).abs().max().item(), "logit_scale": logits.abs().max().item(),
-                "argmax_agreement": (ours_out[1].argmax(-1) == logits.argmax(-1)).float().mean().item()}
 
     trained = load_file(Path(export_dir).parent / "run-final.safetensors")  # the fp32 weights before export
     # Two exports with one pair of same-shaped tensors exchanged: what a wrong name or layout would load.
@@ -198,7 +206,7 @@ def sglang_check(export_dir: str, record_shards: str, port: int) -> dict:
     results = {name: compared(ours(state), sglang_out, sglang_logits)
                for name, state in (("exported", weights), ("trained_fp32", trained),
                                    ("kv_swapped", kv_swapped), ("gate_up_swapped", gate_up_swapped))}
-    results["image_captured"] = compared(ours(weights, image_inputs=True), sglang_image_out, sglang_image_logits)
+    results["image_captured"] = compared(ours(weights, image_inputs), sglang_image_out, sglang_image_logits)
     results["image_placeholder"] = compared(ours(weights), sglang_image_out, sglang_image_logits)
     return {"unwritten": unwritten, "hot_ids_ok": hot_ids_ok, "num_positions": len(input_ids), **results}
 
@@ -208,10 +216,10 @@ def sglang_check(export_dir: str, record_shards: str, port: int) -> dict:
 RELATIVE_FP32_TOLERANCE = 1e-6
 
 
-def same_math(result: dict) -> bool:
+def same_math(result: dict, tolerance: float = RELATIVE_FP32_TOLERANCE) -> bool:
     """Both forwards agree to fp32 rounding, each output relative to its own scale."""
-    return (result["max_out_diff"] <= RELATIVE_FP32_TOLERANCE * result["out_scale"]
-            and result["max_logit_diff"] <= RELATIVE_FP32_TOLERANCE * result["logit_scale"])
+    return (result["max_out_diff"] <= tolerance * result["out_scale"]
+            and result["max_logit_diff"] <= tolerance * result["logit_scale"])
 
 
 def test_sglangs_own_eagle3_class_loads_the_folder_and_computes_our_forward(tmp_path: Path) -> None:

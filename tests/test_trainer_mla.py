@@ -24,6 +24,7 @@ from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 from eagle_tap.testbed.tiny_model.random import DEEPSEEK_V3_YARN
 from trainer import model, ttt
 from trainer.dense_reference import dense_objective
+from test_trainer_export import compared, image_draft_extend, same_math
 from trainer.draft_config import build_draft_config, draft_kv_bytes_per_token
 
 MLA = dict(hidden_size=32, target_hidden_size=32, num_aux_hidden_states=3, num_attention_heads=4,
@@ -251,43 +252,24 @@ def sglang_mla_check(export_dir: str, embedding_path: str, port: int) -> dict:
         to_logits, (sglang_next,) = served.model(input_ids, positions, forward_batch)  # (T, H) each
         sglang_logits = to_logits @ served.lm_head.weight.T  # (T, D)
 
-    # An image request's draft extend after the prefill, as SGLang runs it: mm_input_embeds holds the target's input
-    # embeddings rotated by one like the ids, the vision tower's output at the rows whose next token is an image
-    # position, and the class itself puts the embedding of the appended next token in the last row.
     image_embeds = torch.randn(int(image_rows.sum()), config.hidden_size, generator=generator) * embedding.std()
-    mm_input_embeds = embedding[input_ids].clone()  # (T, H)
-    mm_input_embeds[image_rows] = image_embeds
-    image_batch = SimpleNamespace(**{
-        **vars(forward_batch), "mm_input_embeds": mm_input_embeds, "contains_mm_inputs": lambda: True,
-        "extend_start_loc": torch.tensor([0]), "extend_seq_lens": torch.tensor([T]),
-        "forward_mode": SimpleNamespace(**{**vars(forward_batch.forward_mode), "is_extend": lambda: True})})
+    image_batch, image_inputs = image_draft_extend(forward_batch, embedding, input_ids, image_rows, image_embeds)
     with torch.no_grad():
         image_to_logits, (sglang_image_next,) = served.model(input_ids, positions, image_batch)  # (T, H) each
         sglang_image_logits = image_to_logits @ served.lm_head.weight.T  # (T, D)
 
     exported_config = json.loads((Path(export_dir) / "config.json").read_text())
 
-    def ours(state: dict, image_inputs: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """image_inputs: None (a text request), "captured" (the trainer's input_embeds at the image rows) or
-        "placeholder" (the image rows' ids embedded instead, what a draft trained without the embeddings sees)."""
+    def ours(state: dict, images: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """images: the trainer's image inputs (input_embeds, input_embed_mask); None: every row embeds its id,
+        the placeholder's embedding at the image rows (what a draft trained without the embeddings sees)."""
         draft = model.Eagle3Draft(model.Config.from_draft_config(exported_config))
         draft.load_state_dict({**{name: tensor.float() if tensor.is_floating_point() else tensor
                                   for name, tensor in state.items()}, "embed_tokens.weight": embedding})
-        images = {}
-        if image_inputs == "captured":
-            embeds = torch.zeros(T, config.hidden_size)
-            embeds[image_rows] = image_embeds
-            images = {"input_embeds": embeds[None], "input_embed_mask": image_rows[None]}
         with torch.no_grad():
             next_hidden, logits = draft(draft.project(aux[None]), input_ids[None], positions[None],
-                                        model.causal_mask(torch.zeros(1, T, dtype=torch.long)), **images)
+                                        model.causal_mask(torch.zeros(1, T, dtype=torch.long)), **(images or {}))
         return next_hidden[0], logits[0]
-
-    def compared(ours_out: tuple[torch.Tensor, torch.Tensor], next_hidden: torch.Tensor,
-                 logits: torch.Tensor) -> dict:
-        return {"max_out_diff": (ours_out[0] - next_hidden).abs().max().item(),
-                "out_scale": next_hidden.abs().max().item(),
-                "max_logit_diff": (ours_out[1] - logits).abs().max().item(), "logit_scale": logits.abs().max().item()}
 
     # Exports SGLang must not compute the same on: the nope and value rows of each head of kv_b_proj
     # exchanged (a mixed-up split; both 32 wide here), gate and up exchanged, and two captured states' norms.
@@ -305,8 +287,8 @@ def sglang_mla_check(export_dir: str, embedding_path: str, port: int) -> dict:
                                          "fc_norm.2.weight": weights["fc_norm.0.weight"]}
     results = {name: compared(ours(state), sglang_next, sglang_logits)
                for name, state in (("exported", weights), *sabotaged.items())}
-    images = {name: compared(ours(weights, name), sglang_image_next, sglang_image_logits)
-              for name in ("captured", "placeholder")}
+    images = {name: compared(ours(weights, inputs), sglang_image_next, sglang_image_logits)
+              for name, inputs in (("captured", image_inputs), ("placeholder", None))}
     return {"unwritten": unwritten, "hot_ids_ok": hot_ids_ok, "num_positions": T,
             "has_fc_norm": served.model.fc_norm is not None, "norm_output": served.model.norm_output,
             "images": images, **results}
@@ -320,8 +302,7 @@ MLA_RELATIVE_FP32_TOLERANCE = 1e-5
 
 
 def same_mla_math(result: dict) -> bool:
-    return (result["max_out_diff"] <= MLA_RELATIVE_FP32_TOLERANCE * result["out_scale"]
-            and result["max_logit_diff"] <= MLA_RELATIVE_FP32_TOLERANCE * result["logit_scale"])
+    return same_math(result, MLA_RELATIVE_FP32_TOLERANCE)
 
 
 @pytest.mark.parametrize("options", [{}, {"fc_norm": True, "norm_output": True}], ids=["eagle3", "eagle3.1"])
