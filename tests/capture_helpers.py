@@ -111,6 +111,12 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12))
 
 
+def row_errors(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Relative error of each row (token): |got - want| / |want| over every other axis."""
+    axes = tuple(range(1, got.ndim))
+    return np.sqrt(((got - want) ** 2).sum(axis=axes) / np.maximum((want ** 2).sum(axis=axes), 1e-24))
+
+
 def median_token_error(got: np.ndarray, want: np.ndarray) -> float:
     """Median over tokens of ||got_t - want_t|| / ||want_t||."""
     per_token = np.linalg.norm(got - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-12)

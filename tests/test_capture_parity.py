@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from capture_helpers import (aux_as_float, final_as_float, generate, generate_in_one_batch, median_token_error,
-                             read_stats, relative_error, stored_record, wait_for)
+                             read_stats, relative_error, row_errors, stored_record, wait_for)
 from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer
 from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
@@ -426,8 +426,7 @@ def test_a_kimi_replica_serving_an_mla_draft_stores_the_image_record_a_draftless
     assert record.num_states == reference.num_states and record.num_tokens == reference.num_tokens
     np.testing.assert_allclose(np.asarray(record.input_embeds), np.asarray(reference.input_embeds), rtol=0, atol=1e-6)
     for states in (aux_as_float, final_as_float):
-        got, want = states(record), states(reference)
-        errors = np.sqrt(((got - want) ** 2).reshape(len(got), -1).sum(1) / (want ** 2).reshape(len(want), -1).sum(1))
+        errors = row_errors(states(record), states(reference))
         assert errors.max() < FP32_REL_TOL, errors.max()
     assert METADATA_KEY in record.metadata and METADATA_KEY not in reference.metadata
     stats = wait_for(lambda: (s := read_stats(spool)).get("captured_images") and s, 30,

@@ -22,7 +22,7 @@ import torch
 
 import trainer_data
 from capture_format.tag import CaptureTag
-from capture_helpers import aux_as_float, final_as_float, read_stats, stored_record, wait_for
+from capture_helpers import aux_as_float, final_as_float, read_stats, row_errors, stored_record, wait_for
 from eagle_tap.cli import main
 from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer
 from eagle_tap.serve.http_api import post_json
@@ -132,12 +132,6 @@ def generate(server, ids: list[int], record_id: str | None = None, rid: str | No
     if rid is not None:
         payload["rid"] = rid
     return post_json(f"{server.url}/generate", payload)
-
-
-def row_errors(got: np.ndarray, want: np.ndarray) -> np.ndarray:
-    """Relative error of each row (token): |got - want| / |want| over every other axis."""
-    axes = tuple(range(1, got.ndim))
-    return np.sqrt(((got - want) ** 2).sum(axis=axes) / np.maximum((want ** 2).sum(axis=axes), 1e-24))
 
 
 def check_served_draft_against_meta_info(record, answer: dict) -> None:
