@@ -47,6 +47,9 @@ KIMI_SIZE = dict(hidden_size=7168, heads=64, kv_heads=64, head_dim=112, intermed
 """Kimi-K2.5's hidden size and vocab (V: the target's, its embedding rows), SGLang's draft shapes for it."""
 CHECK_SIZE = dict(hidden_size=256, heads=4, kv_heads=4, head_dim=64, intermediate_size=512, vocab_size=2048,
                   draft_vocab_size=512)
+KIMI_MLA = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+"""`--layout mla`: Kimi-K2.5's own attention shapes, which `draft-config --layout mla` copies into the draft."""
+CHECK_MLA = dict(q_lora_rank=48, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
 QUICK = {**CHECK_SIZE, "windows": "64,128", "steps": 1}
 CHECK_WINDOW, CHECK_TTT_STEPS = 256, 3
 LOSS_TOLERANCE_BF16, LOSS_TOLERANCE_FP32, MIN_GRADIENT_COSINE = 2e-2, 1e-5, 0.99
@@ -55,8 +58,10 @@ TARGET_LOGIT_STD = 2.0
 
 
 def draft_config(*, hidden_size, heads, kv_heads, head_dim, intermediate_size, vocab_size, draft_vocab_size,
-                 **_) -> model.Config:
+                 layout="llama", mla=None, **_) -> model.Config:
+    """The Llama layout, or with layout "mla" the MLA one with `mla`'s shapes (KIMI_MLA, CHECK_MLA)."""
     return model.Config(
+        layout=layout, **(mla if layout == "mla" else {}),
         hidden_size=hidden_size, target_hidden_size=hidden_size, num_aux_hidden_states=3,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         intermediate_size=intermediate_size, rms_norm_eps=1e-5, vocab_size=vocab_size,
@@ -123,14 +128,24 @@ def budget(objective: ttt.Eagle3Objective) -> dict[str, float]:
 
 def flops_per_token(config: model.Config, S: int, ttt_steps: int) -> float:
     """Model FLOPs of one step per token: fc once and the layer + lm_head at every TTT step (6 x params, forward and
-    backward), attention over ~S/2 causal keys per step (4 x keys x N x E forward, x3 with backward), and the frozen
-    target lm_head's forward over V (once per batch)."""
+    backward), attention over ~S/2 causal keys per step (2 x keys x N x (query-key width + value width) forward, x3
+    with backward), and the frozen target lm_head's forward over V (once per batch). The MLA layer is counted as
+    the trainer computes it: per-head keys and values decompressed from the latent (kv_b_proj on every row)."""
     c = config
     fc = c.num_aux_hidden_states * c.target_hidden_size * c.hidden_size
-    attention = 2 * c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim \
-        + c.num_attention_heads * c.head_dim * c.hidden_size
+    # The layer's input is 2H wide (the embedding and the hidden, concatenated) for q and for k/v.
+    if c.layout == "mla":
+        qk_width, value_width = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+        attention = (2 * c.hidden_size * c.q_lora_rank + c.q_lora_rank * c.num_attention_heads * qk_width
+                     + 2 * c.hidden_size * (c.kv_lora_rank + c.qk_rope_head_dim)
+                     + c.kv_lora_rank * c.num_attention_heads * (c.qk_nope_head_dim + value_width)
+                     + c.num_attention_heads * value_width * c.hidden_size)
+    else:
+        qk_width = value_width = c.head_dim
+        attention = 2 * c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim \
+            + c.num_attention_heads * c.head_dim * c.hidden_size
     per_step = attention + 3 * c.hidden_size * c.intermediate_size + c.draft_vocab_size * c.hidden_size
-    attention_scores = 3 * 4 * (S / 2) * c.num_attention_heads * c.head_dim
+    attention_scores = 3 * 2 * (S / 2) * c.num_attention_heads * (qk_width + value_width)
     return 6 * fc + ttt_steps * (6 * per_step + attention_scores) + 2 * c.vocab_size * c.target_hidden_size
 
 
@@ -177,10 +192,10 @@ def loss_and_gradient(objective: ttt.Eagle3Objective, batch: dict) -> tuple[floa
     return loss.item(), torch.cat([p.grad.float().flatten().cpu() for p in trainable(objective)])
 
 
-def check_correctness(device: torch.device, seed: int) -> dict:
+def check_correctness(device: torch.device, seed: int, layout: str = "llama") -> dict:
     """The run's mode on the run's device against fp32 on the CPU: same weights (frozen ones rounded to the run's
     dtype first, so both read the same values), same batch."""
-    config = draft_config(**CHECK_SIZE)
+    config = draft_config(**CHECK_SIZE, layout=layout, mla=CHECK_MLA)
     run_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     built = build_objective(config, CHECK_TTT_STEPS, torch.device("cpu"), run_dtype, seed)
     batch = make_batch(config, 1, CHECK_WINDOW, torch.device("cpu"), run_dtype, seed)
@@ -204,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in KIMI_SIZE.items():
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+    parser.add_argument("--layout", choices=("llama", "mla"), default="llama",
+                        help="the draft layer's attention: llama (GQA) or mla (KIMI_MLA's shapes: Kimi-K2.5's)")
     parser.add_argument("--ttt-steps", type=int, default=7)
     parser.add_argument("--windows", default="2048,4096,8192", help="window lengths S to measure, comma-separated")
     parser.add_argument("--batch-size", type=int, default=1)
@@ -218,15 +235,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     windows = [int(w) for w in args.windows.split(",")]
     device = torch.device(args.device)
-    config = draft_config(**vars(args))
+    config = draft_config(**vars(args), mla=KIMI_MLA)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}")
     size = "Kimi-K2.5 size" if all(getattr(args, k) == v for k, v in KIMI_SIZE.items()) else "reduced size"
     print(f"{size}: hidden {config.hidden_size}, heads {config.num_attention_heads} x {config.head_dim} (kv "
           f"{config.num_key_value_heads}), intermediate {config.intermediate_size}, vocab {config.vocab_size}, "
           f"draft vocab {config.draft_vocab_size}, ttt steps {args.ttt_steps}, batch {args.batch_size}")
+    if config.layout == "mla":
+        print("mla layout: " + ", ".join(f"{key} {value}" for key, value in KIMI_MLA.items()))
 
-    check = check_correctness(device, args.seed)
+    check = check_correctness(device, args.seed, args.layout)
     check_line = (f"relative loss difference {check['relative_difference']:.2e} (tolerance {check['tolerance']:.0e}),"
                   f" gradient cosine {check['gradient_cosine']:.5f} (needs > {MIN_GRADIENT_COSINE})")
     print(f"check (hidden {CHECK_SIZE['hidden_size']}, S={CHECK_WINDOW}, ttt {CHECK_TTT_STEPS}): loss fp32 cpu "

@@ -74,6 +74,28 @@ def test_runs_on_cpu_at_a_reduced_size_with_the_drafts_parameter_budget(tmp_path
     assert budget["total_fixed_gib"] == pytest.approx((16 * num_trainable + 4 * num_frozen) / GIB)
 
 
+def test_the_mla_layout_runs_on_cpu_with_its_own_correctness_check(tmp_path: Path) -> None:
+    options = [f"--{name.replace('_', '-')}={value}" for name, value in SMALL.items()]
+    report = run_script(tmp_path, "--device", "cpu", *options, "--layout", "mla", "--windows", "64", "--steps", "1",
+                        timeout_s=120)
+    assert_windows_and_check(report, [64])
+    draft = report["draft"]
+    assert draft["layout"] == "mla" and (draft["kv_lora_rank"], draft["qk_rope_head_dim"]) == (512, 64)
+    llama = run_script(tmp_path, "--device", "cpu", *options, "--windows", "64", "--steps", "1", timeout_s=120)
+    # The MLA layer's projections (q_a 2H x 1536, q_b, kv_a, kv_b, o) are counted, not the Llama ones.
+    assert report["budget"]["trainable_params"] != llama["budget"]["trainable_params"]
+    assert report["windows"][0]["flops_per_token"] != llama["windows"][0]["flops_per_token"]
+
+
+@pytest.mark.gpu
+def test_kimi_size_mla_draft_trains_on_the_gpu_in_bf16(tmp_path: Path) -> None:
+    report = run_script(tmp_path, "--device", "cuda", "--layout", "mla", "--windows", "2048,8192", timeout_s=600)
+    assert_windows_and_check(report, [2048, 8192])
+    assert report["draft"]["layout"] == "mla" and report["draft"]["hidden_size"] == 7168
+    for entry in report["windows"]:
+        assert entry["oom"] or 0 < entry["mfu"] < 1
+
+
 @pytest.mark.gpu
 def test_kimi_size_trains_on_the_gpu_in_bf16(tmp_path: Path) -> None:
     report = run_script(tmp_path, "--device", "cuda", timeout_s=600)
@@ -105,7 +127,7 @@ def test_an_oom_window_is_reported_and_only_a_first_window_oom_fails(
         return measure(objective, optimizer, config, args, S, device)
 
     monkeypatch.setattr(script, "measure_window", measure_or_oom)
-    monkeypatch.setattr(script, "check_correctness", lambda device, seed: {  # the first test runs the real one
+    monkeypatch.setattr(script, "check_correctness", lambda device, seed, layout: {  # the first test runs the real one
         "reference_loss_fp32_cpu": 1.0, "run_loss": 1.0, "relative_difference": 0.0, "tolerance": 1e-5,
         "gradient_cosine": 1.0, "passed": True})
     out = tmp_path / "out.json"
