@@ -201,12 +201,17 @@ def test_the_learning_rate_warms_up_from_the_first_step_and_ends_at_the_floor() 
 
 
 @pytest.mark.gpu
-def test_training_on_a_gpu_with_bf16_autocast(tmp_path: Path) -> None:
+def test_training_on_a_gpu_with_bf16_autocast_learns_as_the_fp32_run_on_the_cpu_does(tmp_path: Path) -> None:
     inputs = trainer_data.prepared_inputs()
-    settings = run_config(tmp_path / "gpu", inputs["train_shards"], device="cuda", num_threads=None,
-                          eval_shards=str(inputs["heldout_shards"]))
-    summary = train(config_from_dict(Config, settings))
-    assert summary["eval"]["step_accuracy"][0] > 0.4
+    accuracy = {}
+    for device in ("cuda", "cpu"):  # the same 60 steps, seed and data order; bf16 autocast on the GPU only
+        settings = run_config(tmp_path / device, inputs["train_shards"], device=device,
+                              num_threads=None if device == "cuda" else 1, eval_shards=str(inputs["heldout_shards"]))
+        accuracy[device] = train(config_from_dict(Config, settings))["eval"]["step_accuracy"][0]
+    print(f"held-out step-0 accuracy after 60 steps: GPU bf16 {accuracy['cuda']:.3f}, CPU fp32 {accuracy['cpu']:.3f}")
+    # Measured on one H200 (torch 2.11): 0.336 against 0.303 (chance on the 4,096 vocab is < 0.01); a bf16 path that
+    # trained on the wrong rows or lost the gradient would stay near the shuffled-target control's 0.08.
+    assert accuracy["cuda"] > 0.25 and abs(accuracy["cuda"] - accuracy["cpu"]) < 0.08
 
 
 def test_resume_refuses_a_checkpoint_that_pickles_objects(tmp_path: Path, capsys) -> None:

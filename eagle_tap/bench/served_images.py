@@ -21,7 +21,8 @@ class Config(draft_layouts.Config):
 
     @classmethod
     def quick(cls) -> Config:
-        return cls(num_conversations=40, max_new_tokens=32, train_steps=60, served_max_new_tokens=16)
+        return cls(num_conversations=40, max_new_tokens=32, train_steps=60, served_max_new_tokens=16,
+                   train_temperature=0.0)
 
 
 def run(config: Config) -> dict[str, Any]:
