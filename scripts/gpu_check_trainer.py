@@ -10,10 +10,14 @@ What must hold (exit 0, last line `OK`; else exit 1, `FAILED: <why>`):
   inputs, bf16 autocast) is within 2e-2 (relative) of the same weights and batch in fp32 on the CPU (1e-5 when
   the run itself is fp32 on the CPU), and the flattened gradients point the same way (cosine > 0.99);
 - the first window runs (a larger one may be OOM: reported, not a failure).
+The reference side of the check is the objective's dense form (trainer/dense_reference.py), so the check covers
+the attention the run takes: `--attention fused` (the default, what training runs: trainer/attention.py, the kernel's
+own log-sum-exp) or `--attention chunked` (trainer.model.chunked_attend, the log-sum-exp recomputed over query
+chunks), to time the two side by side at the same windows.
 
 On the GPU machine, from the repo root (only PyTorch needed; about 2-3 minutes):
 
-    python scripts/gpu_check_trainer.py [--windows 2048,4096,8192] [--json results.json]
+    python scripts/gpu_check_trainer.py [--windows 2048,4096,8192] [--attention chunked] [--json results.json]
 
 On a CPU (`--quick`, or `--device cpu` with small sizes) it only checks that the script runs.
 Shape legend: B rows, S positions, H hidden, K capture layers, V target vocab, D draft vocab.
@@ -40,8 +44,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer import model, ttt  # noqa: E402
 from trainer.budget import memory_budget  # noqa: E402
+from trainer.dense_reference import dense_objective  # noqa: E402
 
 GIB = 2**30
+ATTENTION_FORMS = {"fused": model.attend, "chunked": model.chunked_attend}
+"""`--attention`: the draft attention's form at TTT steps after the first (trainer.model)."""
 KIMI_SIZE = dict(hidden_size=7168, heads=64, kv_heads=64, head_dim=112, intermediate_size=18432, vocab_size=163840,
                  draft_vocab_size=32000)
 """Kimi-K2.5's hidden size and vocab (V: the target's, its embedding rows), SGLang's draft shapes for it."""
@@ -202,8 +209,9 @@ def check_correctness(device: torch.device, seed: int, layout: str = "llama") ->
     reference = copy.deepcopy(built)
     reference.draft.embed_tokens.weight = nn.Parameter(built.draft.embed_tokens.weight.float(), requires_grad=False)
     reference.target_lm_head = built.target_lm_head.float()  # (V, H)
-    reference_loss, reference_gradient = loss_and_gradient(
-        reference, {k: v.float() if v.is_floating_point() else v for k, v in batch.items()})
+    with dense_objective():
+        reference_loss, reference_gradient = loss_and_gradient(
+            reference, {k: v.float() if v.is_floating_point() else v for k, v in batch.items()})
     run_loss, run_gradient = loss_and_gradient(copy.deepcopy(built).to(device),
                                                {k: v.to(device) for k, v in batch.items()})
     tolerance = LOSS_TOLERANCE_BF16 if run_dtype == torch.bfloat16 else LOSS_TOLERANCE_FP32
@@ -227,17 +235,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per window, after one warm-up")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="peak bf16 dense TFLOP/s (H200: 989)")
+    parser.add_argument("--attention", choices=tuple(ATTENTION_FORMS), default="fused",
+                        help="the attention of TTT steps after the first: fused (the kernel's log-sum-exp, what "
+                             "training runs) or chunked (the log-sum-exp recomputed over query chunks)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--quick", action="store_true", help="a small size for a CPU smoke run: " + str(QUICK))
     if parser.parse_known_args(argv)[0].quick:
         parser.set_defaults(**QUICK)  # explicit options still win
     args = parser.parse_args(argv)
+    fused, model.attend = model.attend, ATTENTION_FORMS[args.attention]  # the check's run side and every window
+    try:
+        return run(args, started)
+    finally:
+        model.attend = fused
+
+
+def run(args: argparse.Namespace, started: float) -> int:
     windows = [int(w) for w in args.windows.split(",")]
     device = torch.device(args.device)
     config = draft_config(**vars(args), mla=KIMI_MLA)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device {name}, torch {torch.__version__}")
+    print(f"device {name}, torch {torch.__version__}, attention {args.attention}")
     size = "Kimi-K2.5 size" if all(getattr(args, k) == v for k, v in KIMI_SIZE.items()) else "reduced size"
     print(f"{size}: hidden {config.hidden_size}, heads {config.num_attention_heads} x {config.head_dim} (kv "
           f"{config.num_key_value_heads}), intermediate {config.intermediate_size}, vocab {config.vocab_size}, "
@@ -287,9 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwall time {wall_s:.1f} s")
     if args.json:
         args.json.write_text(json.dumps({
-            "device": args.device, "torch": torch.__version__, "draft": dataclasses.asdict(config),
-            "ttt_steps": args.ttt_steps, "batch_size": args.batch_size, "steps": args.steps,
-            "budget": fixed, "windows": results, "check": check, "passed": not failures, "wall_s": wall_s}, indent=2))
+            "device": args.device, "torch": torch.__version__, "attention": args.attention,
+            "draft": dataclasses.asdict(config), "ttt_steps": args.ttt_steps, "batch_size": args.batch_size,
+            "steps": args.steps, "budget": fixed, "windows": results, "check": check, "passed": not failures,
+            "wall_s": wall_s}, indent=2))
     print("OK" if not failures else "FAILED: " + "; ".join(failures))
     return 0 if not failures else 1
 

@@ -87,6 +87,13 @@ def test_the_mla_layout_runs_on_cpu_with_its_own_correctness_check(tmp_path: Pat
     assert report["windows"][0]["flops_per_token"] != llama["windows"][0]["flops_per_token"]
 
 
+def test_the_chunked_attention_runs_for_comparison_and_passes_the_same_check(tmp_path: Path) -> None:
+    options = [f"--{name.replace('_', '-')}={value}" for name, value in SMALL.items()]
+    report = run_script(tmp_path, "--device", "cpu", *options, "--attention", "chunked", "--windows", "64",
+                        "--steps", "1", timeout_s=120)
+    assert_windows_and_check(report, [64])
+    assert report["attention"] == "chunked"
+
 @pytest.mark.gpu
 def test_kimi_size_mla_draft_trains_on_the_gpu_in_bf16(tmp_path: Path) -> None:
     report = run_script(tmp_path, "--device", "cuda", "--layout", "mla", "--windows", "2048,8192", timeout_s=600)

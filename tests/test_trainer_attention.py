@@ -4,16 +4,19 @@ and keep no tensor quadratic in the window for the backward.
 Equal: loss, per-step losses and counts, and every gradient, for packed records with padding, a window
 that starts inside a record (its first rows masked, as trainer/data.py windows are), GQA, all TTT steps,
 with the log-sum-exp and the loss both forced into several chunks. Sequence parallelism on 2 gloo ranks
-against the dense form: tests/test_trainer_sequence_parallel.py.
+against the dense form: tests/test_trainer_sequence_parallel.py. The merge through the attention kernel's own
+log-sum-exp (trainer/attention.py) is what the fp32 objective takes, and is checked alone against autograd.
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
-from trainer import model, ttt
+from trainer import attention, model, ttt
+from trainer.attention import chain_attention
 from trainer.dense_reference import dense_attend, dense_objective, dense_soft_cross_entropy
 
 TTT_STEPS = 7
@@ -138,3 +141,55 @@ def test_checkpointed_steps_give_the_same_step_and_keep_less() -> None:
         torch.testing.assert_close(checkpointed[name], value, rtol=1e-6, atol=1e-7, msg=lambda message: f"{name}: {message}")
     S = 192
     assert saved_bytes(S, checkpoint_steps=True)["fused"] < 0.6 * saved_bytes(S)["fused"]
+
+
+def test_the_objective_merges_through_the_kernels_log_sum_exp_at_every_later_step(monkeypatch) -> None:
+    """The fp32 comparison above runs trainer/attention.py's merge, not the chunked fallback (fp64 takes that)."""
+    calls = {"count": 0}
+
+    def counted(*args):
+        calls["count"] += 1
+        return chain_attention(*args)
+
+    monkeypatch.setattr(attention, "chain_attention", counted)
+    step(torch.float32)
+    assert calls["count"] == TTT_STEPS - 1
+    step(torch.float64)
+    assert calls["count"] == TTT_STEPS - 1
+
+
+def dense_chain_attention(q, k0, v0, mask, k_chain, v_chain, scale) -> torch.Tensor:
+    """chain_attention's result through one softmax over materialised scores, for autograd to differentiate."""
+    scores = model.masked((q @ k0.transpose(-1, -2)) * scale, mask)  # (B, N, S, T)
+    chain_scores = (q.unsqueeze(3) * k_chain).sum(-1) * scale  # (B, N, S, J)
+    probs = torch.cat([scores, chain_scores], dim=-1).softmax(-1)  # (B, N, S, T + J)
+    T = k0.shape[2]
+    return probs[..., :T] @ v0 + (probs[..., T:].unsqueeze(-1) * v_chain).sum(3)  # (B, N, S, Ev)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("value_width", [8, 6, 12])  # as wide as q and k, narrower (MLA), wider
+def test_the_kernel_merge_and_its_backward_equal_autograd_through_the_dense_softmax(dtype, value_width) -> None:
+    """Outputs and every gradient (dq, dk0, dv0, dk_chain, dv_chain), with rows that see one key of k0 (a record's
+    first), a row that sees none (its chain only: finite, no NaN) and keys beyond the queries (T > S)."""
+    torch.manual_seed(3)
+    B, N, S, T, J, E = 2, 3, 11, 15, 4, 8
+    doc_ids = torch.tensor([[0] * 4 + [1] * 11, [2] * 15])  # (B, T): queries are the last S positions
+    mask = model.causal_mask(doc_ids)[:, :, T - S:]  # (B, 1, S, T)
+    mask[0, 0, 3] = False  # query 3 of row 0 may see no key of k0
+    q = torch.randn(B, N, S, E, dtype=dtype, requires_grad=True)
+    k0, k_chain = (torch.randn(*shape, E, dtype=dtype, requires_grad=True) for shape in ((B, N, T), (B, N, S, J)))
+    v0, v_chain = (torch.randn(*shape, value_width, dtype=dtype, requires_grad=True)
+                   for shape in ((B, N, T), (B, N, S, J)))
+    inputs = (q, k0, v0, k_chain, v_chain)
+    got = chain_attention(q, k0, v0, model.attention_bias(mask, dtype), k_chain, v_chain, 0.4)  # (B, N, S, Ev)
+    want = dense_chain_attention(q, k0, v0, mask, k_chain, v_chain, 0.4)  # (B, N, S, Ev)
+    assert torch.isfinite(got).all()
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, want, **tolerance)
+    probe = torch.randn_like(want)
+    names = ("q", "k0", "v0", "k_chain", "v_chain")
+    for name, a, b in zip(names, torch.autograd.grad((got * probe).sum(), inputs),
+                          torch.autograd.grad((want * probe).sum(), inputs), strict=True):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, **tolerance, msg=lambda message: f"d{name}: {message}")

@@ -30,12 +30,13 @@ draft's chain of guesses at that position). With an empty cache this is plain ca
 Under sequence parallelism (trainer/sequence_parallel.py) a rank holds a block of positions: its
 queries attend to the first step's keys of every rank (`gather_keys`), its chain keys stay its own.
 
-Memory is linear in the window (`attend`): the first step's keys go through PyTorch's fused
-`scaled_dot_product_attention` (flash / memory-efficient kernels, no (S, T) scores kept), and a later
-step's chain keys, one per earlier step at the query's own row, are merged with it through the
-log-sum-exp of its scores, so the result is the softmax over all T + J keys at once. That log-sum-exp
-is computed over query chunks whose scores are recomputed in the backward (`first_step_logsumexp`).
-The dense form it equals (one softmax over materialised scores) is `trainer/dense_reference.py`, the
+Memory is linear in the window (`attend`): the first step's keys go through a fused attention kernel
+(flash / memory-efficient, no (S, T) scores kept), and a later step's chain keys, one per earlier step
+at the query's own row, are merged with it through the kernel's own log-sum-exp, so the result is the
+softmax over all T + J keys at once (trainer/attention.py, whose backward is the kernel's own too).
+Where that kernel does not run (fp64), `chunked_attend` computes the log-sum-exp over query chunks
+whose scores are recomputed in the backward (`first_step_logsumexp`): same result, far more work.
+The dense form both equal (one softmax over materialised scores) is `trainer/dense_reference.py`, the
 tests' and the benchmark's reference.
 
 Shape legend: B rows, S positions, H hidden, K capture layers, N query heads, G key/value heads,
@@ -55,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from trainer import attention
 from trainer.draft_config import draft_layout
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -279,7 +281,23 @@ def attend(q: torch.Tensor, cache: list, mask: torch.Tensor, scale: float) -> to
     """q (B, N, S, E) against the first step's keys cache[0] (B, N, T, E each), where mask (B, 1, S, T) allows,
     and the later steps' keys cache[1:] (B, N, S, E each) at the query's own row: one softmax over T + J keys.
     mask: bool, or an `attention_bias` in q's dtype (what the unroll passes: SDPA keeps its mask for the
-    backward, and a bool one is converted to a new float tensor at every call)."""
+    backward, and a bool one is converted to a new float tensor at every call). Values may be narrower than
+    queries and keys (MLA: Ev), and so is the result. With a chain, `attention.chain_attention` where its kernels
+    run (`attention.supports`), else `chunked_attend`."""
+    k0, v0 = cache[0]
+    if len(cache) == 1:
+        return F.scaled_dot_product_attention(q, k0, v0, attn_mask=mask, scale=scale)  # (B, N, S, Ev)
+    if not attention.supports(q):
+        return chunked_attend(q, cache, mask, scale)
+    bias = attention_bias(mask, q.dtype) if mask.dtype == torch.bool else mask.to(q.dtype)  # (B, 1, S, T)
+    k_chain = torch.stack([k_j for k_j, _ in cache[1:]], dim=3)  # (B, N, S, J, E)
+    v_chain = torch.stack([v_j for _, v_j in cache[1:]], dim=3)  # (B, N, S, J, Ev)
+    return attention.chain_attention(q, k0, v0, bias, k_chain, v_chain, scale)  # (B, N, S, Ev)
+
+
+def chunked_attend(q: torch.Tensor, cache: list, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """`attend`'s result with the first step's log-sum-exp recomputed over query chunks (`first_step_logsumexp`):
+    for what the fused kernels do not take (fp64), and to time against them (scripts/gpu_check_trainer.py)."""
     k0, v0 = cache[0]
     out0 = F.scaled_dot_product_attention(q, k0, v0, attn_mask=mask, scale=scale)  # (B, N, S, E)
     if len(cache) == 1:
