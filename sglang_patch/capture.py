@@ -189,6 +189,8 @@ class CapturedSequence:
 _RUN_MAX_STEPS = 64
 """Verify steps whose kept rows a capture notes before they are joined into one block (`RowCopier.join`): bounds
 the candidate rows it keeps alive to 64 steps' blocks, while a 48-token answer is joined once, at its end."""
+_RUN_MAX_BYTES = 16 << 20
+"""... and to 16 MiB of them (on CPU a step's block is the whole verify forward's outputs, kept by reference)."""
 
 # SGLang's finish reasons (schedule_batch.py), as the client's regenerate mode names them.
 _FINISH_REASONS = {"FINISH_MATCHED_TOKEN": "stop", "FINISH_MATCHED_STR": "stop", "FINISHED_MATCHED_REGEX": "stop",
@@ -207,6 +209,13 @@ class _Partial:
     step's block, the first of this request's rows in it); each holds the block's lease once."""
     run: list[RowPiece] = dataclasses.field(default_factory=list)
     """The rows kept of verify steps, oldest first, not yet joined into a chunk: they follow the chunks."""
+    run_held_nbytes: int = 0
+    """Host bytes the blocks of `run` keep alive (counted once per step)."""
+    run_cut_rows: int = 0
+    """Held rows from which a part may be due (`_part_rows` + 2), set at the first verify step kept."""
+    req: object = None
+    """SGLang's `Req` of the request, as its last extend batch held it: a verify step finds the request's
+    position in its batch by identity (`list.index`, a scan in C) instead of looking up every request."""
     accepted: list[int] = dataclasses.field(default_factory=list)
     """Draft tokens each verify step of this request accepted, in order."""
     verify_ct_base: int | None = None
@@ -257,7 +266,7 @@ class _Partial:
             chunk.release()
         release_pieces([(block, start, start) for block, start in self.pending])
         release_pieces(self.run)
-        self.pending, self.run = [], []
+        self.pending, self.run, self.run_held_nbytes = [], [], 0
 
 
 class CaptureAssembler:
@@ -280,7 +289,8 @@ class CaptureAssembler:
         self.selector = selector or Selector(stats=stats, sample_rate=1.0, live_sample_rate=0.0, ttl_s=partial_ttl_s)
         self._partial_ttl_s = partial_ttl_s
         self._partials: dict[str, _Partial] = {}
-        self._num_generating = 0  # partials in generate mode: decode batches are looked at only while > 0
+        self._generating: dict[str, _Partial] = {}
+        """The partials in generate mode: decode batches are looked at only while there is one."""
         self._last_sweep = time.monotonic()
 
     @property
@@ -290,7 +300,7 @@ class CaptureAssembler:
     @property
     def generating(self) -> bool:
         """Whether a generate-mode capture is running (decode rows and finishes matter)."""
-        return self._num_generating > 0
+        return bool(self._generating)
 
     def on_extend(self, reqs: list, prefix_lens: list[int], extend_lens: list[int],
                   aux: torch.Tensor, final: torch.Tensor, input_embeds: torch.Tensor | None = None) -> None:
@@ -320,6 +330,7 @@ class CaptureAssembler:
             elif prefix_len <= partial.first_row and partial.num_rows > 0:
                 self._stats.add("restarted")  # retracted and prefilled again from its first row
                 self._restart(partial, now)
+            partial.req = req
             # Rows already held (a retracted request prefilled again), or before its first row, are not taken.
             first_new = partial.rows_end - prefix_len
             if first_new < 0:
@@ -372,22 +383,19 @@ class CaptureAssembler:
                   num_draft_tokens: int) -> None:
         """Take the candidate rows of one verify forward (`speculative.py`): aux (bs * D, K*H), final (bs * D, H),
         accept_index (bs, num_steps + 1) the accepted tree path's rows, -1 past its end, D = num_draft_tokens.
-        One block for all captured requests (`RowCopier.gather_verify`); the requests not captured cost one
-        dict lookup each."""
-        partials = self._partials
-        hits = [(position, req, partial) for position, req in enumerate(reqs)
-                if (partial := partials.get(req.rid)) is not None]
+        One block for all captured requests (`RowCopier.gather_verify`); the requests are found from the
+        running generate captures (`_Partial.req`), so the requests not captured cost nothing in Python."""
         now = time.monotonic()
-        if not hits:
-            self._maybe_sweep(now)
-            return
         taken: list[_Partial] = []
         positions: list[int] = []
-        for position, req, partial in hits:
-            if partial.tag.mode != "generate":
+        for rid, partial in list(self._generating.items()):
+            req = partial.req
+            try:
+                position = reqs.index(req)
+            except ValueError:  # not in this batch (its prefill is still running, or it was retracted)
                 continue
             if partial.rows_end < len(req.origin_input_ids):  # a prompt chunk never came
-                self._abandon(req.rid, "missing_rows", now)
+                self._abandon(rid, "missing_rows", now)
                 continue
             if partial.verify_ct_base is None:
                 partial.verify_ct_base = int(getattr(req, "spec_verify_ct", 0)) - len(partial.accepted)
@@ -411,9 +419,13 @@ class CaptureAssembler:
         The rows kept are noted, not copied; they are joined into a chunk every `_RUN_MAX_STEPS` steps and
         where a part is due (`_flush_run`)."""
         now = time.monotonic()
-        for req, num_correct in zip(reqs, num_correct_drafts):
-            partial = self._partials.get(req.rid)
-            if partial is None or not partial.pending:
+        for rid, partial in list(self._generating.items()):
+            if not partial.pending:
+                continue
+            req = partial.req
+            try:
+                num_correct = num_correct_drafts[reqs.index(req)]
+            except ValueError:
                 continue
             block, start = partial.pending.pop(0)
             # SGLang counts a step only for a request that was neither finished nor retracted before it.
@@ -422,23 +434,28 @@ class CaptureAssembler:
                 continue
             count = int(num_correct) + 1
             partial.run.append((block, start, start + count))  # the hold on the block's lease moves here
+            partial.run_held_nbytes += block.held_nbytes
             partial.num_rows += count
             partial.accepted.append(count - 1)
             if not req.finished() and partial.rows_end != len(req.origin_input_ids) + len(req.output_ids) - 1:
-                self._abandon(req.rid, "misaligned", now)
+                self._abandon(rid, "misaligned", now)
                 continue
-            if partial.num_rows > self._most_rows_held:  # the gauge `_cut_parts` keeps, kept here between cuts
-                self._most_rows_held = partial.num_rows
-                self._stats.set("most_rows_held", partial.num_rows)
-            if len(partial.run) >= _RUN_MAX_STEPS or partial.num_rows >= self._part_rows(partial) + 2:
+            if not partial.run_cut_rows:
+                partial.run_cut_rows = self._part_rows(partial) + 2
+            if (len(partial.run) >= _RUN_MAX_STEPS or partial.run_held_nbytes >= _RUN_MAX_BYTES
+                    or partial.num_rows >= partial.run_cut_rows):
                 self._flush_run(partial)
                 self._cut_parts(req, partial, now)
 
     def _flush_run(self, partial: _Partial) -> None:
-        """Joins the verify rows noted into one chunk (the copy runs on the copy thread)."""
+        """Joins the verify rows noted into one chunk (the copy runs on the copy thread). Rows held only grow
+        between joins, so the gauge `_cut_parts` keeps is exact when kept here (not at every verify step)."""
+        if partial.num_rows > self._most_rows_held:
+            self._most_rows_held = partial.num_rows
+            self._stats.set("most_rows_held", partial.num_rows)
         if partial.run:
             partial.chunks.append(self._copier.join(partial.run))
-            partial.run = []
+            partial.run, partial.run_held_nbytes = [], 0
 
     def on_finished(self, reqs: list) -> None:
         """After the scheduler processed a batch: emit (or drop) the generate captures whose request finished."""
@@ -454,7 +471,8 @@ class CaptureAssembler:
         partial = self._partials[rid] = _Partial(tag=tag, prefix=selection.prefix, chunks=[], num_rows=0,
                                                  updated_at=now)
         partial.chunks_start = partial.first_row
-        self._num_generating += tag.mode == "generate"
+        if tag.mode == "generate":
+            self._generating[rid] = partial
         self._stats.add("started")
         return partial
 
@@ -465,8 +483,7 @@ class CaptureAssembler:
         partial.embeds, partial.num_embeds = [], 0  # an image request is never in parts: it restarts at 0
 
     def _part_rows(self, partial: _Partial) -> int:
-        rows = partial.chunks[0] if partial.chunks else partial.run[0][0]
-        row_nbytes = rows.nbytes // max(rows.aux.shape[0], 1)
+        row_nbytes = (partial.chunks[0] if partial.chunks else partial.run[0][0]).row_nbytes
         return max(1, min(self._part_max_tokens, self._part_max_bytes // max(row_nbytes, 1)))
 
     def _cut_parts(self, req, partial: _Partial, now: float) -> bool:
@@ -536,7 +553,7 @@ class CaptureAssembler:
     def _remove(self, rid: str) -> _Partial | None:
         partial = self._partials.pop(rid, None)
         if partial is not None:
-            self._num_generating -= partial.tag.mode == "generate"
+            self._generating.pop(rid, None)
         return partial
 
     def _copy(self, taken: list[tuple[object, _Partial]], ranges: list[tuple[int, int]],

@@ -58,7 +58,7 @@ import torch
 
 __all__ = [
     "CopyFailed", "CopyJobs", "CudaRowCopier", "DeferredHostCopier", "HostBufferPool", "HostCopier", "HostRows",
-    "PooledRowCopier", "RowCopier", "RowPiece", "SlabLease", "cut_slab", "host_cat", "release_pieces",
+    "PooledRowCopier", "RowCopier", "RowPiece", "SlabLease", "VerifyRows", "cut_slab", "host_cat", "release_pieces",
 ]
 
 
@@ -141,9 +141,21 @@ class HostRows:
     def nbytes(self) -> int:
         return self.aux.nbytes + self.final.nbytes
 
+    held_nbytes = nbytes
+    """Host bytes these rows keep alive (a `VerifyRows` keeps a whole forward's outputs)."""
+
+    @property
+    def row_nbytes(self) -> int:
+        return self.aux.shape[1] * self.aux.element_size() + self.final.shape[1] * self.final.element_size()
+
     def wait(self) -> None:
         if self.ready is not None:
             self.ready()
+
+    def arrays(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows [start, end) as numpy integer views of their bytes, once copied (off the scheduler's thread)."""
+        self.wait()
+        return _ints(self.aux[start:end]), _ints(self.final[start:end])
 
     def split(self, num_rows: int) -> tuple[HostRows, HostRows]:
         """(the first num_rows rows, the rest): views of the same buffer, each holding it until released.
@@ -167,8 +179,46 @@ RowRanges = list[tuple[int, int]]
 """[start, end) row ranges of the captured requests in a forward's output, in batch order."""
 
 
-RowPiece = tuple[HostRows, int, int]
-"""Rows [start, end) of a HostRows that others share (a verify step's block): one holder of its lease."""
+class VerifyRows:
+    """A verify forward's candidate rows of the captured requests at `positions` (batch order), kept as references
+    to the forward's outputs (on CPU: `DeferredHostCopier`): request i's W rows are [i * W, (i + 1) * W), W =
+    accept_index.shape[1], read on the copy thread only (`arrays`, by `RowCopier.join`)."""
+
+    __slots__ = ("aux", "final", "accept_index", "positions", "num_draft_tokens", "width", "held_nbytes")
+    lease = None
+
+    def __init__(self, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor, positions: list[int],
+                 num_draft_tokens: int) -> None:
+        self.aux = aux  # (bs * D, K*H), the forward's own
+        self.final = final  # (bs * D, H)
+        self.accept_index = accept_index  # (bs, W)
+        self.positions = positions
+        self.num_draft_tokens = num_draft_tokens
+        self.width = accept_index.shape[1]
+        self.held_nbytes = aux.nbytes + final.nbytes
+
+    @property
+    def row_nbytes(self) -> int:
+        return self.aux.shape[1] * self.aux.element_size() + self.final.shape[1] * self.final.element_size()
+
+    def wait(self) -> None:
+        pass  # nothing is being copied into them
+
+    def arrays(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows [start, end) of one request's W (numpy views of the bytes; the final rows gathered): the aux rows at
+        the front of its block of num_draft_tokens, the final rows along its accepted path (as
+        `RowCopier.gather_verify` lays them out)."""
+        slot, first = divmod(start, self.width)
+        last = end - slot * self.width
+        assert 0 <= first <= last <= self.width, "a piece lies within one request's rows"
+        position = self.positions[slot]
+        block = position * self.num_draft_tokens
+        path = self.accept_index.numpy()[position, first:last].astype(np.int64).clip(min=0)  # (n,)
+        return _ints(self.aux)[block + first : block + last], _ints(self.final)[path]
+
+
+RowPiece = tuple["HostRows | VerifyRows", int, int]
+"""Rows [start, end) of a block that others share (a verify step's): one holder of its lease, if it has one."""
 
 
 class CopyFailed(ValueError):
@@ -252,7 +302,7 @@ class RowCopier:
         raise NotImplementedError
 
     def gather_verify(self, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor, positions: list[int],
-                      num_draft_tokens: int) -> HostRows | None:
+                      num_draft_tokens: int) -> HostRows | VerifyRows | None:
         """The candidate rows of one verify forward for the requests at `positions` (batch order), as one block
         of n * W rows, W = accept_index.shape[1]: request i's W rows at [i * W, (i + 1) * W), the aux rows at
         the front of its block of num_draft_tokens and the final rows along its accepted path (`accept_index`,
@@ -284,10 +334,9 @@ class RowCopier:
 
         def job() -> None:
             try:
-                for rows, _, _ in pieces:
-                    rows.wait()
-                np.concatenate([_ints(rows.aux[start:end]) for rows, start, end in pieces], out=_ints(aux))
-                np.concatenate([_ints(rows.final[start:end]) for rows, start, end in pieces], out=_ints(final))
+                arrays = [rows.arrays(start, end) for rows, start, end in pieces]
+                np.concatenate([piece_aux for piece_aux, _ in arrays], out=_ints(aux))
+                np.concatenate([piece_final for _, piece_final in arrays], out=_ints(final))
             finally:
                 release_pieces(pieces)
 
@@ -343,7 +392,12 @@ class DeferredHostCopier(RowCopier):
     is not handed from one forward to the next by a caching allocator, and a tensor held here is not
     freed), so the bytes read later on the copy thread are those the forward wrote. With a CPU graph
     runner the outputs come from a compiled graph whose buffers we have not proven fresh per replay: the
-    hook then copies on its own thread (`HostCopier`), as before."""
+    hook then copies on its own thread (`HostCopier`), as before.
+
+    A verify forward's candidate rows are not copied at all until a capture's kept rows are joined
+    (`gather_verify` returns references, `VerifyRows`): the scheduler's thread runs no tensor operation for a
+    verify step. A capture joins its rows at least every 64 steps and 16 MiB of outputs kept alive
+    (`capture._RUN_MAX_STEPS`, `_RUN_MAX_BYTES`)."""
 
     def copy(self, aux: torch.Tensor, final: torch.Tensor, ranges: RowRanges) -> list[HostRows]:
         num_rows = sum(end - start for start, end in ranges)
@@ -367,20 +421,9 @@ class DeferredHostCopier(RowCopier):
         return rows
 
     def gather_verify(self, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor, positions: list[int],
-                      num_draft_tokens: int) -> HostRows:
-        width = accept_index.shape[1]
-        host_aux = torch.empty((len(positions) * width, aux.shape[1]), dtype=aux.dtype)  # (n * W, K*H)
-        host_final = torch.empty((len(positions) * width, final.shape[1]), dtype=final.dtype)  # (n * W, H)
-
-        def job() -> None:
-            # The indices of RowCopier.gather_verify, computed here rather than on the scheduler's thread.
-            at = np.asarray(positions, dtype=np.int64)  # (n,)
-            front = (at[:, None] * num_draft_tokens + np.arange(width, dtype=np.int64)).reshape(-1)  # (n * W,)
-            path = accept_index.numpy()[at].astype(np.int64).clip(min=0).reshape(-1)  # (n * W,)
-            np.take(_ints(aux), front, axis=0, out=_ints(host_aux))
-            np.take(_ints(final), path, axis=0, out=_ints(host_final))
-
-        return HostRows(aux=host_aux, final=host_final, ready=self.jobs.submit(job))
+                      num_draft_tokens: int) -> VerifyRows:
+        # References only: `join` reads the rows kept of each step straight from the forward's outputs.
+        return VerifyRows(aux, final, accept_index, positions, num_draft_tokens)
 
 
 def cut_slab(lease: SlabLease, ranges: RowRanges, aux_width: int, final_width: int,
