@@ -49,6 +49,7 @@ What must hold:
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -241,10 +242,12 @@ class _Done:
 class CopyJobs:
     """One daemon thread that runs copy jobs in the order they were queued (started at the first job).
 
-    Its copies are numpy's (single-threaded, GIL released), for the reason `host_copy` gives."""
+    Its copies are numpy's (single-threaded, GIL released), for the reason `host_copy` gives. Like the sender
+    thread it runs `nice` lower than the server (Linux, per thread): the forward's threads go first."""
 
-    def __init__(self, name: str = "eagle-tap-copy") -> None:
+    def __init__(self, name: str = "eagle-tap-copy", nice: int = 10) -> None:
         self._name = name
+        self._nice = nice
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -261,6 +264,12 @@ class CopyJobs:
         return done.wait
 
     def _run(self) -> None:
+        if self._nice > 0 and hasattr(os, "setpriority"):
+            try:
+                thread_id = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, thread_id, min(os.getpriority(os.PRIO_PROCESS, thread_id) + self._nice, 19))
+            except OSError:
+                pass  # copies then compete with the forward as the scheduler's own would
         while True:
             job, done = self._queue.get()
             try:
@@ -290,12 +299,14 @@ class RowCopier:
     """Copies the captured rows of one forward to host memory: one HostRows per range, or None (dropped)."""
 
     _jobs: CopyJobs | None = None
+    copy_thread_nice = 10
+    """How much lower the copy thread's priority is than the server's (the hook sets EAGLE_TAP_SENDER_NICE's)."""
 
     @property
     def jobs(self) -> CopyJobs:
         """The copy thread of this copier (joins, and on CPU every copy)."""
         if self._jobs is None:
-            self._jobs = CopyJobs()
+            self._jobs = CopyJobs(nice=self.copy_thread_nice)
         return self._jobs
 
     def copy(self, aux: torch.Tensor, final: torch.Tensor, ranges: RowRanges) -> list[HostRows] | None:

@@ -354,6 +354,7 @@ class CaptureHook:
                               state_dtype=state_dtype, codec=codec)
         dp_rank = _parallel_rank("attn_dp_rank")
         copier = self._row_copier(worker)
+        copier.copy_thread_nice = self._settings.sender_nice
         try:
             check_private_directory(self._settings.spool_dir)
             spool = Spool(self._settings.spool_dir / f"dp{dp_rank}", self._settings.spool_max_bytes)
