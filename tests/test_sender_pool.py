@@ -47,13 +47,15 @@ SIZES = [4000, 3, 5, 2000, 1, 7, 2, 1500, 4, 6]
 @pytest.mark.parametrize("threads", [1, 3])
 def test_captures_encoded_side_by_side_reach_the_collector_in_capture_order(tmp_path, threads: int) -> None:
     with ThreadedCollector(data_dir=tmp_path / "data") as collector:
+        before = set(threading.enumerate())
         sender, stats = start(tmp_path, collector.url, WIDE, sender_threads=threads, batch_max_age_s=0.3)
         try:
             assert sender.num_encode_threads == threads
             for index, size in enumerate(SIZES):
                 assert sender.submit(whole(f"ordered-{index}", size))
             snapshot = wait_for_count(stats, "sent", len(SIZES))
-            encoders = [thread for thread in threading.enumerate() if thread.name.startswith("eagle-tap-encode")]
+            encoders = [thread for thread in set(threading.enumerate()) - before
+                        if thread.name.startswith("eagle-tap-encode")]
             assert len(encoders) == (threads if threads > 1 else 0)
         finally:
             sender.close()

@@ -77,10 +77,12 @@ class Config:
     num_steps: int = 3
     """Drafts per verify step (a chain) in `draft` mode."""
     num_requests: int = 8
-    """Requests per server per round."""
+    """Requests per server per round (all in flight at once: one decode batch)."""
     prompt_tokens: int = 64
-    max_new_tokens: int = 32
-    rounds: int = 6
+    max_new_tokens: int = 12
+    """Few: on a CPU a decode step of the wide target costs its 4,096 x 7168 vocab projection (about 0.1-0.2 s for
+    8 rows on a shared 2-core machine), and a random draft's steps its 3H -> H input projection."""
+    rounds: int = 4
     concurrency: int = 8
     server_sender_threads: int = 0
     """EAGLE_TAP_SENDER_THREADS of the capturing servers; 0: the plugin's default for the width and cores."""
