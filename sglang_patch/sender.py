@@ -1,20 +1,32 @@
-"""The sender thread: encodes captured sequences into frames and ships them to the collector.
+"""The sender: a thread that ships frames to the collector, and a pool of threads that encode them.
+
+Encoding (numpy's byte shuffles, zstd, xxhash: all release the GIL) is the sender's per-byte work, so it
+runs on `sender_threads` encoder threads, up to one batch each ahead of the batch the sender thread posts:
+at Kimi-K2's width (57,344 raw bytes a token) one core encodes a few thousand tokens a second, a production
+engine makes tens of thousands. With one encoder thread the sender thread encodes itself (no pool). A record
+closing parts is encoded on the sender thread, once the digest of its parts is known.
 
 What must hold:
 - `submit()` (called on the scheduler's thread) never blocks and never raises: past the in-flight
   byte budget a capture is dropped and counted;
 - what is queued is coalesced into one POST of several frames (up to `batch_max_bytes` of captures,
   waiting at most `batch_max_age_s` for more), and every frame gets its own verdict (`delivery.py`);
-- frames reach the collector in capture order, except one the collector asked to have re-sent; while
+- frames reach the collector in capture order, except one the collector asked to have re-sent (encoder
+  threads encode a batch's captures side by side, but the sender thread collects their frames in queue order
+  and posts one batch after the other, so the parts of a capture reach the collector in order); while
   it is unreachable (connection error, deadline, redirect, 5xx, 507) frames go to the bounded spool,
   which is drained oldest first once it answers again, and anything behind a non-empty spool queues
   behind it;
 - a frame the collector rejects as bad (4xx) is dropped and counted, not retried forever;
 - re-sending is safe: the collector acknowledges a record id it already has as a duplicate;
-- a capture's host buffers are released once its frame is encoded (or it is dropped);
-- the parts of a capture sent in parts are encoded in order, and its record carries the digest of exactly
-  the part frames encoded for it (`capture_format.parts`); a record whose parts were not all encoded here
-  is dropped and counted (`part_lost`), never sent to close parts it does not have.
+- a capture's host buffers are released once its frame is encoded (or it is dropped); the encoded frames
+  of at most `sender_threads + 1` batches wait for their POST (with one thread, one batch's);
+- the parts of a capture sent in parts are taken into its digest in order (on the sender thread, as their
+  frames are collected), and its record carries the digest of exactly the part frames encoded for it
+  (`capture_format.parts`); the closing record is encoded once all its parts are collected; a record whose
+  parts were not all encoded here is dropped and counted (`part_lost`), never sent to close parts it does not
+  have;
+- `sender_cpu_ns` counts the CPU of the sender thread and of the encoder threads' encoding.
 """
 
 from __future__ import annotations
@@ -22,10 +34,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +65,22 @@ _STATE_DTYPES = {
     torch.float32: ("float32", torch.float32, np.float32),
 }
 _LOG_EVERY_S = 60.0
+ENCODE_BYTES_S_PER_THREAD = 200e6
+"""Raw state bytes a second one encoder thread is sized for (bf16-split measured 380-580 MB/s on a quiet core)."""
+SIZED_TOKENS_S = 10_000
+"""Captured tokens a second the default pool is sized for (a third of a TP8 engine of Kimi-K2.5)."""
+MAX_DEFAULT_ENCODE_THREADS = 8
+
+
+def default_encode_threads(raw_bytes_per_token: int, num_cores: int | None = None) -> int:
+    """Encoder threads for `sender_threads=0`: enough for SIZED_TOKENS_S captured tokens a second of this width
+    at ENCODE_BYTES_S_PER_THREAD each, but at most a quarter of the cores this process may run on (the rest
+    serve) and MAX_DEFAULT_ENCODE_THREADS; at least 1. 57,344 B/token (Kimi-K2): 3 threads on 12+ cores; 1,024
+    B/token (the tiny target): 1."""
+    if num_cores is None:
+        num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    wanted = math.ceil(raw_bytes_per_token * SIZED_TOKENS_S / ENCODE_BYTES_S_PER_THREAD)
+    return max(1, min(wanted, num_cores // 4, MAX_DEFAULT_ENCODE_THREADS))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,6 +94,12 @@ class ModelIdentity:
     """Record dtype of the aux and final states (`bfloat16`, `float16`, `float32`): the serving dtype."""
     codec: str
     """Codec of the states in every frame, checked against state_dtype before capture starts."""
+
+    @property
+    def raw_bytes_per_token(self) -> int:
+        """Raw bytes of one token's aux and final states."""
+        itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[self.state_dtype]
+        return (len(self.capture_layers) + 1) * self.hidden_size * itemsize
 
 
 def record_dtype(dtype: torch.dtype) -> str | None:
@@ -147,8 +183,12 @@ def _part_or_closing(captured: CapturedSequence, token_ids: np.ndarray, aux: np.
         loss_spans=captured.loss_spans, aux=aux, final=final, states_prefix=reference, metadata=metadata, **shared)
 
 
+_Job = tuple[CapturedSequence, "Future[list[bytes] | str] | None"]
+"""A capture of a batch and its frames being encoded (or why it is no valid record); None: encoded when collected."""
+
+
 class Sender:
-    """One background thread per capturing process; see the module docstring for its guarantees."""
+    """One shipping thread per capturing process and its encoder threads; see the module docstring."""
 
     def __init__(self, *, settings: CaptureSettings, model: ModelIdentity, stats: CaptureStats, spool: Spool,
                  stats_path: Path, every_second: Callable[[], None] | None = None) -> None:
@@ -164,7 +204,7 @@ class Sender:
         self._queue: collections.deque[tuple[float, CapturedSequence]] = collections.deque()  # (queued at, capture)
         self._parts: dict[str, tuple[PartsDigest, float]] = {}
         """Captures sent in parts whose closing record has not come: the digest of their parts so far, and
-        when the last one was encoded (sender thread only)."""
+        when the last one was collected (sender thread only)."""
         self._inflight_bytes = 0
         self._condition = threading.Condition()
         self._stopping = False
@@ -173,6 +213,10 @@ class Sender:
         self._stats_written_at = 0.0
         self._logged_summary = ""
         self._logged_at = time.monotonic()
+        self.num_encode_threads = settings.sender_threads or default_encode_threads(model.raw_bytes_per_token)
+        self._stats.set("sender_threads", self.num_encode_threads)
+        self._pool = None if self.num_encode_threads == 1 else ThreadPoolExecutor(
+            self.num_encode_threads, thread_name_prefix="eagle-tap-encode", initializer=self._lower_priority)
         self._thread = threading.Thread(target=self._run, name="eagle-tap-sender", daemon=True)
         self._thread.start()
 
@@ -195,17 +239,19 @@ class Sender:
             return not self._queue and self._inflight_bytes == 0 and len(self._spool) == 0
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread; what is still queued in memory goes to the spool."""
+        """Stop the threads; what is still queued in memory goes to the spool."""
         with self._condition:
             self._stopping = True
             self._condition.notify()
         self._thread.join(timeout_s)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)  # idle once the sender thread has collected what it handed over
         self._client.close()
         self._stats.write(self.stats_path)
         logger.info(self._stats.summary())
 
     def _lower_priority(self) -> None:
-        """Lowers this thread's priority by `sender_nice` (Linux: setpriority on a thread id affects that
+        """Lowers the calling thread's priority by `sender_nice` (Linux: setpriority on a thread id affects that
         thread only): the forward's threads go first when the CPU is short."""
         if self._settings.sender_nice <= 0 or not hasattr(os, "setpriority"):
             return
@@ -219,32 +265,42 @@ class Sender:
     def _run(self) -> None:
         self._lower_priority()
         cpu_ns = time.thread_time_ns()
+        pending: collections.deque[list[_Job]] = collections.deque()  # batches handed to the encoders, oldest first
         while True:
-            now_cpu_ns = time.thread_time_ns()  # the sender's own CPU: encoding, HTTP, spool
+            now_cpu_ns = time.thread_time_ns()  # the sender thread's own CPU: collecting, HTTP, spool
             self._stats.add("sender_cpu_ns", now_cpu_ns - cpu_ns)
             cpu_ns = now_cpu_ns
-            batch, stopping = self._next_batch()
+            batch, stopping = self._next_batch(wait=not pending)
             try:
-                if batch:
+                started = self._start_encoding(batch)
+                if self._pool is None:
+                    jobs = started
+                else:  # keep every encoder busy: post the oldest batch once more are queued, or nothing more came
+                    if started:
+                        pending.append(started)
+                    ready = pending and (not started or len(pending) > self.num_encode_threads)
+                    jobs = pending.popleft() if ready else []
+                if jobs:
                     if not stopping:
                         self._drain_spool()  # under steady load the queue is never empty: drain first
-                    self._ship(batch, spool_only=stopping)
-                elif stopping:
-                    return
-                else:
+                    self._ship(jobs, spool_only=stopping)
+                elif not pending and not started:
+                    if stopping:
+                        return
                     self._drain_spool()
                 self._write_stats()
             except Exception:  # never let the thread die: capture stops, serving does not notice
                 self._stats.add("sender_errors")
                 logger.exception("eagle-tap sender error")
 
-    def _next_batch(self) -> tuple[list[CapturedSequence], bool]:
-        """What is queued, up to batch_max_bytes; waits up to batch_max_age_s (from the oldest) for more."""
+    def _next_batch(self, *, wait: bool = True) -> tuple[list[CapturedSequence], bool]:
+        """What is queued, up to batch_max_bytes; waits up to batch_max_age_s (from the oldest) for more, unless
+        told not to wait (a batch is being encoded: the encoders should not run dry)."""
         max_bytes, max_age_s = self._settings.batch_max_bytes, self._settings.batch_max_age_s
         with self._condition:
-            if not self._queue and not self._stopping:
+            if wait and not self._queue and not self._stopping:
                 self._condition.wait(timeout=0.5)
-            while self._queue and not self._stopping and self._inflight_bytes < max_bytes:
+            while wait and self._queue and not self._stopping and self._inflight_bytes < max_bytes:
                 wait_s = self._queue[0][0] + max_age_s - time.monotonic()
                 if wait_s <= 0:
                     break
@@ -256,28 +312,56 @@ class Sender:
                 batch_bytes += captured.raw_nbytes
             return batch, self._stopping
 
-    def _encode(self, captured: CapturedSequence) -> list[bytes]:
-        record_id = captured.tag.record_id
+    def _start_encoding(self, batch: list[CapturedSequence]) -> list[_Job]:
+        """Hands a batch's captures to the encoder threads, except closing records, which need the digest of
+        parts not collected yet (they are encoded when collected, as all captures are without a pool)."""
+        if self._pool is None:
+            return [(captured, None) for captured in batch]
+        return [(captured, None if _closes_parts(captured) else self._pool.submit(self._encode, captured, None))
+                for captured in batch]
+
+    def _encode(self, captured: CapturedSequence, parts_digest: str | None) -> list[bytes] | str:
+        """The frames of a capture, or why it makes no valid record; its buffers are released either way."""
+        on_encoder = threading.current_thread() is not self._thread
+        cpu_ns = time.thread_time_ns()
         try:
-            digest = self._parts_digest(captured)
-            if digest is None:
-                return []
-            frames = [encode_frame(record, self._model.codec)
-                      for record in to_records(captured, self._model, digest.hexdigest() if digest else None)]
-            if captured.part_index is not None:
-                part = inspect_frame_header(frames[0])
-                digest.update(part.record_id, part.header_xxh3_64)
-                self._parts[record_id] = (digest, time.monotonic())
-            return frames
+            return [encode_frame(record, self._model.codec)
+                    for record in to_records(captured, self._model, parts_digest)]
         except ValueError as error:
+            return str(error) or type(error).__name__
+        finally:
+            self._release(captured)
+            if on_encoder:  # the sender thread's own CPU is counted by its loop
+                self._stats.add("sender_cpu_ns", time.thread_time_ns() - cpu_ns)
+
+    def _release(self, captured: CapturedSequence) -> None:
+        captured.release()
+        with self._condition:
+            self._inflight_bytes -= captured.raw_nbytes
+
+    def _collect(self, captured: CapturedSequence, job: "Future[list[bytes] | str] | None") -> list[bytes]:
+        """The frames of a capture, in queue order (sender thread): parts enter their capture's digest here."""
+        record_id = captured.tag.record_id
+        digest = self._parts_digest(captured)
+        if job is not None:
+            encoded = job.result()
+        elif digest is None:
+            self._release(captured)
+            return []
+        else:
+            encoded = self._encode(captured, digest.hexdigest() if _closes_parts(captured) else None)
+        if digest is None:  # a part after a lost one (counted); encoded before that was known
+            return []
+        if isinstance(encoded, str):
             self._parts.pop(record_id, None)
             self._stats.drop("invalid_record")
-            logger.error("eagle-tap: capture %s is not a valid record: %s", record_id, error)
+            logger.error("eagle-tap: capture %s is not a valid record: %s", record_id, encoded)
             return []
-        finally:
-            captured.release()
-            with self._condition:
-                self._inflight_bytes -= captured.raw_nbytes
+        if captured.part_index is not None:
+            part = inspect_frame_header(encoded[0])
+            digest.update(part.record_id, part.header_xxh3_64)
+            self._parts[record_id] = (digest, time.monotonic())
+        return encoded
 
     def _parts_digest(self, captured: CapturedSequence) -> PartsDigest | bool | None:
         """The digest a part extends or a closing record carries; False for a capture sent whole; None when
@@ -304,10 +388,16 @@ class Sender:
         for record_id in [key for key, (_, at) in self._parts.items() if at < oldest]:
             del self._parts[record_id]
 
-    def _ship(self, batch: list[CapturedSequence], *, spool_only: bool) -> None:
+    def _ship(self, jobs: list[_Job], *, spool_only: bool) -> None:
         frames = []
-        for captured in batch:
-            encoded = self._encode(captured)
+        for index, (captured, job) in enumerate(jobs):
+            try:
+                encoded = self._collect(captured, job)
+            except Exception:
+                for later, later_job in jobs[index + 1 :]:  # an encoder releases what it was handed, not these
+                    if later_job is None:
+                        self._release(later)
+                raise
             if encoded:
                 self._stats.add("bytes_raw", captured.raw_nbytes)
                 self._stats.add("bytes_stored", sum(len(frame) for frame in encoded))
@@ -385,3 +475,8 @@ class Sender:
             if summary != self._logged_summary:  # an idle server's log stays quiet
                 self._logged_summary = summary
                 logger.info(summary)
+
+
+def _closes_parts(captured: CapturedSequence) -> bool:
+    """A record that closes parts sent before it: it carries their digest."""
+    return captured.part_index is None and bool(captured.parts_before)

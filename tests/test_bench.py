@@ -244,3 +244,38 @@ def test_trainer_scale_bench_measures_both_forms_and_projects_kimi_from_exact_co
     steps = config.shape.ttt_steps
     assert result["summary"]["cpu_model"]["draft_vocab_size"] == pytest.approx(4 * steps + 4, rel=0.05)
     assert result["summary"]["gpu_model"]["draft_vocab_size"] == pytest.approx(2 * steps + 4, rel=0.05)
+
+
+@pytest.mark.sglang
+def test_wide_capture_bench_measures_every_stage_at_kimi_width_against_hidden_128() -> None:
+    from eagle_tap.bench import wide_capture
+
+    config = wide_capture.Config.quick()  # draftless at 100% vs no plugin, the hidden-128 server, 1 and 2 threads
+    result = run_benchmarks(["wide-capture"], configs={"wide-capture": config},
+                            log=lambda line: None)["benchmarks"]["wide-capture"]
+    _check_well_formed(result)
+    wide, narrow = result["rows"]
+    assert (wide["hidden_size"], narrow["hidden_size"]) == (7168, 128) and narrow["ratio"] is None
+    for row, raw in ((wide, 57_344), (narrow, 1_024)):
+        assert row["captured_tokens"] > 0 and row["dropped"] == {}
+        # per captured token: the states (none for a record's last token) and a 4-byte token id
+        assert 0.9 * raw < row["raw_bytes"] < raw + 4
+        assert 0.5 * raw < row["stored_bytes"] < row["raw_bytes"]  # bf16-split stores less than raw, not magically less
+        for stage in ("hook", "sender", "collector"):
+            assert row[f"{stage}_us"] > 0
+            assert row[f"{stage}_cores_per_10k"] == pytest.approx(row[f"{stage}_us"] / 100)
+            assert row[f"{stage}_mb_s_per_core"] == pytest.approx(row["raw_bytes"] / row[f"{stage}_us"])
+    assert wide["ratio"] > 0 and wide["sender_us"] > narrow["sender_us"]  # the sender's work is per byte
+    (sender_table,) = result["tables"]
+    rows = sender_table["rows"]
+    assert [(row["part"], row["threads"]) for row in rows] == [
+        ("encode only", 1), ("Sender -> collector (fsync)", 1), ("encode only", 2), ("Sender -> collector (fsync)", 2)]
+    for row in rows:
+        assert row["mb_s"] > 0 and row["mb_s_per_thread"] == pytest.approx(row["mb_s"] / row["threads"])
+        assert row["speedup"] == pytest.approx(1.0) if row["threads"] == 1 else row["speedup"] > 0
+    for row in rows[1::2]:
+        assert 0.5 * 57_344 < row["stored_bytes"] < 57_344 and row["sender_us"] > 0 and row["collector_us"] > 0
+    summary = result["summary"]
+    assert summary["hook_us_wide_over_narrow"] == pytest.approx(wide["hook_us"] / narrow["hook_us"])
+    assert set(summary["tp8_cores"]) == {"hook", "sender", "collector"}
+    assert summary["tp8_cores"]["sender"] == pytest.approx(wide["sender_us"] * 0.03)

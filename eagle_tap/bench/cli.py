@@ -20,6 +20,16 @@ def _names(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number; got {text!r}")
+    return value
+
+
 def _bench(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -36,6 +46,11 @@ def _bench(args: argparse.Namespace) -> int:
             config = dataclasses.replace(config, acceptance=dataclasses.replace(config.acceptance,
                                                                                 demo_run=args.codec_demo_run))
         configs["codecs"] = config
+    if args.collector_hidden_size:
+        from eagle_tap.bench import collector
+
+        config = collector.Config.quick() if args.quick else collector.Config()
+        configs["collector"] = dataclasses.replace(config, hidden_size=args.collector_hidden_size)
     try:
         with interrupt_on_signals():  # TERM unwinds like Ctrl-C, so the servers and collectors a benchmark started stop
             report = run_benchmarks(args.only, quick=args.quick, configs=configs)
@@ -51,7 +66,7 @@ def _bench(args: argparse.Namespace) -> int:
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench", help="run the benchmarks (codecs, collector, capture, live, trainer, objstore, served, spec-capture, "
-        "swap, long, trainer-scale, draft-layouts, served-images); write bench.json and bench.md",
+        "swap, long, trainer-scale, draft-layouts, served-images, wide-capture); write bench.json and bench.md",
         description="Measure, side by side in one run: codec ratio, MB/s and error (raw, zstd, bf16-split, "
         "bf16-channel, the lossy codecs) and the acceptance of drafts trained on each lossy codec; collector "
         "ingest MB/s against the disk alone and the raw-socket loopback ceiling; SGLang throughput with the "
@@ -63,7 +78,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "time, scheduler pause, ms per GB, checksums, idle and under load); peak memory of the capturing server, the "
         "collector and a training step against record length (1K to 64K tokens); the Llama and the MLA draft layout of an "
         "MLA target trained on the same records and served (draft-layouts; served-images: the tiny Kimi-K2.5 with "
-        "image requests). Full run: about 10 minutes on 2 cores, plus about 25 for draft-layouts and served-images, "
+        "image requests); capture at Kimi-K2.5's width, hidden 7168 (wide-capture: cost per stage per token, sender "
+        "threads, cores per 10,000 tokens/s). Full run: about 10 minutes on 2 cores, plus about 25 for draft-layouts and served-images, "
         "plus about 30 for long (two 64K-token prefills).",
     )
     bench.add_argument("--out", default="bench-results", help="directory for bench.json and bench.md "
@@ -77,4 +93,6 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--codec-demo-run", metavar="DIR",
                        help="train the codec acceptance drafts on the captures of this earlier `eagle-tap demo` "
                        "folder instead of capturing the demo conversations first (a CPU SGLang server)")
+    bench.add_argument("--collector-hidden-size", type=_positive, metavar="H",
+                       help="width of the collector benchmark's frames (default 1024; 7168 is Kimi-K2.5's)")
     bench.set_defaults(run=_bench)

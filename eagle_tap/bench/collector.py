@@ -7,6 +7,10 @@ MB/s (10**6 bytes/s) of stored frame bytes acknowledged, per number of concurren
   (ack after the group commit's fdatasync) and none (ack after the write);
 - the disk alone: one thread writing the same frame and fdatasync-ing after each, in the data
   directory's file system (what fsync-mode ingest with one frame per sync can at best reach).
+For the collector rows also the collector process's CPU over the measured seconds (in cores) and the raw
+state bytes it stored per second per core of it (stored MB/s x the frame's compression ratio / cores): the
+figure that says how many cores a production engine's rate needs (`--collector-hidden-size 7168` for
+Kimi-K2.5's width).
 Senders are threads of this process, each with one keep-alive connection and a minimal HTTP/1.1
 client on a plain socket (one send for request line, headers and frame header, one for the payload,
 from a memoryview): the same send path as the raw ceiling. http.client costs ~0.3 ms of client CPU
@@ -35,6 +39,7 @@ import xxhash
 
 import capture_format as cf
 from capture_format.frame_header import load_header
+from eagle_tap.bench.capture import tree_cpu_s
 from eagle_tap.bench.codecs import residual_like_states
 from eagle_tap.testbed.collector_process import CollectorProcess
 
@@ -48,6 +53,8 @@ COLUMNS = [
     ["mb_s", "MB/s stored bytes", ",.0f"],
     ["ratio_to_raw_socket", "ratio to raw socket", ".2f"],
     ["ratio_to_disk", "ratio to disk", ".2f"],
+    ["collector_cores", "collector CPU (cores)", ".2f"],
+    ["raw_mb_s_per_core", "raw MB/s per collector core", ",.0f"],
 ]
 
 
@@ -275,11 +282,15 @@ def run(config: Config) -> dict[str, Any]:
                     "--token-file", str(token_file)))
                 try:
                     run_collector(collector.port, factory, num_senders, min(1.0, config.seconds), "warmup")
+                    cpu_s, started = tree_cpu_s(collector.process.pid), time.perf_counter()
                     rate = run_collector(collector.port, factory, num_senders, config.seconds, f"s{num_senders}")
+                    cores = (tree_cpu_s(collector.process.pid) - cpu_s) / (time.perf_counter() - started)
                 finally:
                     collector.stop()
                     shutil.rmtree(data_dir.parent)
-                rows.append({"path": f"collector, durability {durability}", "num_senders": num_senders, "mb_s": rate})
+                rows.append({"path": f"collector, durability {durability}", "num_senders": num_senders, "mb_s": rate,
+                             "collector_cores": cores,
+                             "raw_mb_s_per_core": rate * info.raw_nbytes / info.stored_nbytes / cores if cores else None})
         rows.append({"path": "disk: pwrite + fdatasync per frame, no network", "num_senders": None, "mb_s": disk_rate})
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -292,7 +303,8 @@ def run(config: Config) -> dict[str, Any]:
     summary = {"frame_mib": factory.frame_nbytes / 2**20, "frame_ratio": info.raw_nbytes / info.stored_nbytes,
                "collector_fsync_best_mb_s": best_fsync["mb_s"], "disk_mb_s": disk_rate,
                "collector_fsync_best_ratio_to_disk": best_fsync["ratio_to_disk"],
-               "collector_fsync_best_ratio_to_raw_socket": best_fsync["ratio_to_raw_socket"]}
+               "collector_fsync_best_ratio_to_raw_socket": best_fsync["ratio_to_raw_socket"],
+               "collector_fsync_raw_mb_s_per_core": max(row["raw_mb_s_per_core"] or 0 for row in fsync_rows)}
     notes = [
         f"frame: T={config.num_tokens} K={config.num_layers} H={config.hidden_size} bf16-split, "
         f"{summary['frame_mib']:.2f} MiB stored ({summary['frame_ratio']:.3f}x); {config.seconds:g} s per row; "
@@ -300,6 +312,8 @@ def run(config: Config) -> dict[str, Any]:
         f"best collector ingest with fsync: {best_fsync['mb_s']:,.0f} MB/s = "
         f"**{best_fsync['ratio_to_disk']:.2f}x** the disk alone, {best_fsync['ratio_to_raw_socket']:.2f}x "
         "the raw-socket ceiling",
+        f"the collector with fsync stores up to {summary['collector_fsync_raw_mb_s_per_core']:,.0f} MB/s of raw states "
+        "per core of its own process (its CPU over the measured seconds; the senders' CPU is this process's)",
     ]
     return {"title": "Collector ingest over loopback vs the disk alone vs the raw-socket ceiling",
             "parameters": asdict(config), "columns": COLUMNS, "rows": rows, "summary": summary, "notes": notes}

@@ -39,6 +39,7 @@ BENCHMARKS: dict[str, str] = {
     "trainer-scale": "eagle_tap.bench.trainer_scale",
     "draft-layouts": "eagle_tap.bench.draft_layouts",
     "served-images": "eagle_tap.bench.served_images",
+    "wide-capture": "eagle_tap.bench.wide_capture",
 }
 """Benchmark name (as `--only` takes it) -> module with `Config` and `run(config)`."""
 REPO_ROOT = Path(__file__).resolve().parents[2]
