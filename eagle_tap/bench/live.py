@@ -229,6 +229,23 @@ def wait_records(collector: CollectorProcess, record_ids: list[str], timeout_s: 
             time.sleep(0.02)
 
 
+def warm_up(servers: dict[str, SGLangServer], capturing: dict[str, tuple[float, CollectorProcess]],
+            prompts: list[list[int]], max_new_tokens: int, concurrency: int, spool_root: Path,
+            rid_prefix: str = "") -> dict[str, dict]:
+    """A batch of whole answers to each server, then, for each capturing one ({name: (live rate, its collector)}),
+    a wait until its sampled records are stored; returns the plugin's stats of each capturing server after it
+    (read from its spool, `spool_root / f"spool-{name}"`), what a benchmark's rounds are counted from."""
+    stats = {}
+    for name, server in servers.items():
+        rids = [f"warm{rid_prefix}{name}x{i}" for i in range(len(prompts))]
+        parallel(lambda i: generate(server, prompts[i], max_new_tokens, rid=rids[i]), range(len(prompts)), concurrency)
+        if name in capturing:
+            rate, collector = capturing[name]
+            wait_records(collector, [f"live-{rid}" for rid in rids if is_sampled(rid, rate)])
+            stats[name] = read_stats_file(spool_root / f"spool-{name}" / "dp0" / "stats.json", newer_than=time.time())
+    return stats
+
+
 def stored_records(data_dir: Path, prefix: str) -> tuple[dict[str, Any], int, int, int]:
     """(records whose id starts with prefix, resolved; how many could not be read; shard bytes; record tokens)."""
     import capture_format as cf

@@ -45,6 +45,7 @@ from eagle_tap.bench.live import (
     parallel,
     stored_records,
     wait_records,
+    warm_up,
 )
 from eagle_tap.testbed.collector_process import CollectorProcess
 from eagle_tap.serve.draft import SpeculativeConfig
@@ -156,16 +157,9 @@ def measure(config: Config, draft: Path, work: Path) -> dict[str, Any]:
     meta_infos: dict[str, dict] = {}  # record id -> SGLang's meta_info of the same request
     sampled_by: dict[str, list[str]] = {server_name(rate): [] for rate in config.live_rates}
     absent_meta_infos: list[dict] = []
-    stats_before, stats_after = {}, {}
+    stats_after = {}
     with spec_servers(config, draft, work) as (servers, capturing):
-        for name, server in servers.items():  # warm-up: a full batch of whole answers
-            rids = [f"warm{name}x{i}" for i in range(len(warmup))]
-            parallel(lambda i: generate(server, warmup[i], config.max_new_tokens, rid=rids[i]), range(len(warmup)),
-                     config.concurrency)
-            if name in capturing:
-                rate, collector = capturing[name]
-                wait_records(collector, [f"live-{rid}" for rid in rids if is_sampled(rid, rate)])
-                stats_before[name] = read_stats_file(work / f"spool-{name}" / "dp0" / "stats.json", newer_than=time.time())
+        stats_before = warm_up(servers, capturing, warmup, config.max_new_tokens, config.concurrency, work)
         for number in range(config.rounds):
             batch = prompts[number * config.num_requests : (number + 1) * config.num_requests]
             row: dict[str, Any] = {"round": number}

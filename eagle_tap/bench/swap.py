@@ -88,22 +88,11 @@ class Config:
 def build_target(hidden_size: int, num_layers: int, out_dir: Path) -> Path:
     """A random bf16 Llama target of this width in out_dir: the random llama of `eagle_tap.testbed.tiny_model.random`
     with heads of 64, intermediate 4x hidden, the tiny tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from eagle_tap.testbed.tiny_model.random import build_wide_llama
 
-    from eagle_tap.testbed.tiny_model.random import TOKENIZER_FILES
-    from eagle_tap.testbed.tiny_model.random import Config as RandomConfig
-    from eagle_tap.testbed.tiny_model.random import hf_config
-
-    config = hf_config(RandomConfig(arch="llama", num_layers=num_layers))
-    config.hidden_size, config.intermediate_size, config.head_dim = hidden_size, 4 * hidden_size, HEAD_DIM
-    config.num_attention_heads, config.num_key_value_heads = hidden_size // HEAD_DIM, hidden_size // (4 * HEAD_DIM)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(out_dir)
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(TINY_MODEL_DIR / name, out_dir / name)
-    return out_dir
+    return build_wide_llama(out_dir, hidden_size=hidden_size, num_layers=num_layers,
+                            intermediate_size=4 * hidden_size, head_dim=HEAD_DIM, num_heads=hidden_size // HEAD_DIM,
+                            num_kv_heads=hidden_size // (4 * HEAD_DIM))
 
 
 def capture_layers(num_layers: int) -> list[int]:

@@ -42,7 +42,7 @@ from typing import Any
 
 from eagle_tap.bench.capture import prompts as source_prompts
 from eagle_tap.bench.capture import start_all, tree_cpu_s
-from eagle_tap.bench.live import generate, parallel, wait_records
+from eagle_tap.bench.live import generate, parallel, wait_records, warm_up
 from eagle_tap.testbed.collector_process import CollectorProcess
 from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
@@ -215,22 +215,10 @@ def sender_alone(config: Config, work: Path) -> list[dict[str, Any]]:
 def thin_target(hidden_size: int, num_layers: int, out_dir: Path) -> Path:
     """A random bf16 Llama of this width whose attention (2 heads of 64, 1 KV head) and MLP (256) are thin, with the
     tiny tokenizer's vocab: its states have the width, its forward costs little more than its vocab projection."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from eagle_tap.testbed.tiny_model.random import build_wide_llama
 
-    from eagle_tap.testbed.tiny_model.random import TOKENIZER_FILES
-    from eagle_tap.testbed.tiny_model.random import Config as RandomConfig
-    from eagle_tap.testbed.tiny_model.random import hf_config
-
-    config = hf_config(RandomConfig(arch="llama", num_layers=num_layers))
-    config.hidden_size, config.intermediate_size, config.head_dim = hidden_size, 256, 64
-    config.num_attention_heads, config.num_key_value_heads = 2, 1
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(out_dir)
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(TINY_MODEL_DIR / name, out_dir / name)
-    return out_dir
+    return build_wide_llama(out_dir, hidden_size=hidden_size, num_layers=num_layers, intermediate_size=256, head_dim=64,
+                            num_heads=2, num_kv_heads=1)
 
 
 def server_name(mode: str, rate: float) -> str:
@@ -289,17 +277,10 @@ def serve_mode(config: Config, mode: str, targets: dict[int, Path], work: Path) 
 
     prompts = source_prompts(TINY_MODEL_DIR, (config.rounds + 1) * config.num_requests, config.prompt_tokens)
     rows: list[dict[str, Any]] = []
-    stats_before, stats_after = {}, {}
+    stats_after = {}
     with mode_servers(config, mode, targets, work) as (servers, capturing):
-        warmup = prompts[: config.num_requests]
-        for name, server in servers.items():
-            rids = [f"warm{mode}{name}x{i}" for i in range(len(warmup))]
-            parallel(lambda i: generate(server, warmup[i], config.max_new_tokens, rid=rids[i]), range(len(warmup)),
-                     config.concurrency)
-            if name in capturing:
-                rate, collector = capturing[name]
-                wait_records(collector, [f"live-{rid}" for rid in rids if is_sampled(rid, rate)])
-                stats_before[name] = read_stats_file(work / f"spool-{name}" / "dp0" / "stats.json", newer_than=time.time())
+        stats_before = warm_up(servers, capturing, prompts[: config.num_requests], config.max_new_tokens,
+                               config.concurrency, work, rid_prefix=mode)
         for number in range(config.rounds):
             batch = prompts[(number + 1) * config.num_requests : (number + 2) * config.num_requests]
             row: dict[str, Any] = {}

@@ -232,6 +232,23 @@ def build(config: Config, out_dir: Path) -> Path:
     return out_dir
 
 
+def build_wide_llama(out_dir: Path, *, hidden_size: int, num_layers: int, intermediate_size: int, head_dim: int,
+                     num_heads: int, num_kv_heads: int) -> Path:
+    """A random bf16 Llama of any width in out_dir (seed 0), with the tiny tokenizer's vocab and files: the random
+    llama of `hf_config` with these shapes, for benchmarks that need states of a production width."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(Config(arch="llama", num_layers=num_layers))
+    config.hidden_size, config.intermediate_size, config.head_dim = hidden_size, intermediate_size, head_dim
+    config.num_attention_heads, config.num_key_value_heads = num_heads, num_kv_heads
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out_dir)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(TINY_MODEL_DIR / name, Path(out_dir) / name)
+    return Path(out_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", required=True, choices=ARCHITECTURES)
