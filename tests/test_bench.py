@@ -185,13 +185,16 @@ def test_codec_acceptance_trains_paired_drafts_per_codec_and_evaluates_them_on_l
 def test_swap_bench_swaps_a_draft_in_and_back_idle_and_under_load() -> None:
     from eagle_tap.bench import swap
 
-    config = swap.Config(hidden_sizes=(128,), num_swaps=1, gap_s=0.2)  # A -> B idle, B -> A loaded: one server
+    # A -> B idle checking the target too, B -> A idle checking the draft only, A -> B loaded: one server
+    config = swap.Config(hidden_sizes=(128,), num_swaps=1, gap_s=0.2)
     result = run_benchmarks(["swap"], configs={"swap": config}, log=lambda line: None)["benchmarks"]["swap"]
     _check_well_formed(result)
-    assert [(row["hidden_size"], row["condition"]) for row in result["rows"]] == [(128, "idle"), (128, "load")]
+    assert [(row["hidden_size"], row["condition"]) for row in result["rows"]] == [
+        (128, "idle+target"), (128, "idle"), (128, "load")]
     (width,) = result["summary"]["widths"]
     assert width["num_tensors"] == 13 and 1e6 < width["draft_bytes"] < 1e7  # the tiny draft's bf16 tensors
-    for condition in ("idle", "load"):
+    assert 0 < width["draft_checksums_ms"] < width["checksums_ms"]  # two calls fewer, the target's among them
+    for condition in swap.CONDITIONS:
         entry = width[condition]
         assert len(entry["wall_ms"]) == len(entry["paused_ms"]) == 1 and entry["verified"]
         assert 0 < entry["paused_ms"][0] < entry["wall_ms"][0]

@@ -328,9 +328,16 @@ def test_promotion_under_load_drops_nothing_and_changes_no_answer(rig):
     assert state["replicas"][a]["draft_checksum"] == state["replicas"][b]["draft_checksum"] == checksum(a) == checksum(b)
     assert checksum(a) != before[a]
     assert {url: checksum(url, "target") for url in (a, b)} == targets
+    # Met at the rig's start, where their targets were checked and recorded: the promotion's swaps do not hash
+    # the target again (a stall of the scheduler as long as the target is large).
+    assert [e["target_checked"] for e in swaps] == [False, False], swaps
+    assert {url: state["replicas"][url]["target_checksum"] for url in (a, b)} == targets
     print("paused_s per swap:", [(e["replica"], round(e["paused_s"], 4)) for e in swaps])
     assert sorted(e["replica"] for e in swaps) == sorted([a, b])
-    assert all(e["paused_s"] < 1.0 for e in swaps)
+    # A bound against a pause that waits for something (the running requests to finish, a checksum of the target),
+    # not a timing: on 2 shared cores, with the suite's other module loading them, one swap of this tiny draft was
+    # measured pausing 0.36 s and the other 1.55 s (`eagle-tap bench --only swap` measures the pause).
+    assert all(e["paused_s"] < 5.0 for e in swaps), swaps
     acceptance_after = served_acceptance(a, rig.prompts)
     print(f"served acceptance (SGLang meta_info): {acceptance_before:.3f} -> {acceptance_after:.3f}")
     assert acceptance_after > acceptance_before
@@ -420,10 +427,10 @@ def test_a_replica_that_fails_verification_after_the_canary_is_put_back_alone(ri
         "fc.weight", tensors["fc.weight"] * 1.01))
     real_swap = loop_run.swap_draft
 
-    def faulty_transfer(url, candidate_dir, *, serving_dir):
+    def faulty_transfer(url, candidate_dir, *, serving_dir, **options):
         if url == b and Path(candidate_dir).name == name:  # what arrives at b is not the version
-            return real_swap(url, rig.trained, serving_dir=serving_dir)
-        return real_swap(url, candidate_dir, serving_dir=serving_dir)
+            return real_swap(url, rig.trained, serving_dir=serving_dir, **options)
+        return real_swap(url, candidate_dir, serving_dir=serving_dir, **options)
 
     with rig.loop() as loop:
         previous = loop.registry.state()["promoted"]
@@ -475,6 +482,9 @@ def test_a_replica_down_during_a_promotion_is_caught_up_once_it_answers(rig, tmp
         state = loop.registry.state()
         kinds = [e["kind"] for e in events_since(loop.registry, first) if e.get("replica") == b]
         assert kinds[-2:] == ["replica_back", "swapped"], kinds
+        caught_up = [e for e in events_since(loop.registry, first) if e.get("replica") == b][-1]
+        assert caught_up["target_checked"] is True  # a restarted replica's target is checked again
+        assert state["replicas"][b]["target_checksum"] == checksum(b, "target")
     assert state["replicas"][b]["down"] is False and state["replicas"][b]["version"] == name
     assert checksum(b) == checksum(a) == state["replicas"][b]["draft_checksum"] == state["replicas"][a]["draft_checksum"]
     assert [generate(b, ids)["output_ids"] for ids in rig.prompts[:2]] == rig.reference[:2]

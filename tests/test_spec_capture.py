@@ -212,14 +212,15 @@ def test_records_name_the_draft_that_served_them_across_a_weight_swap(servers, c
         return served["draft"], (served["accepted_drafts"] + served["verify_steps"]) / served["verify_steps"]
 
     trained, trained_acceptance = served_by("swap-before")
-    to_untrained = swap_draft(chain.url, untrained_draft, serving_dir=draft)
+    to_untrained = swap_draft(chain.url, untrained_draft, serving_dir=draft, check_target=True)
     untrained, untrained_acceptance = served_by("swap-untrained")
-    back = swap_draft(chain.url, draft, serving_dir=draft)
+    back = swap_draft(chain.url, draft, serving_dir=draft)  # the default: the draft's checksums only
     again, again_acceptance = served_by("swap-back")
     assert untrained != trained and again == trained  # the identity follows the weights, not the folder
     assert untrained_acceptance < trained_acceptance == again_acceptance
     # SGLang's own checksums: the draft moved and came back, the target never moved.
-    assert to_untrained.verified and back.verified
+    assert to_untrained.target_unchanged is True and to_untrained.target_checksum_before is not None
+    assert not back.target_checked and back.target_unchanged is None
     assert to_untrained.draft_checksum_after != to_untrained.draft_checksum_before == back.draft_checksum_after
     assert to_untrained.num_tensors > 0 and to_untrained.paused_s < 5
 

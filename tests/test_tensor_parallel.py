@@ -8,7 +8,8 @@ token ids and states within 1e-5 relative (the ranks' all-reduces add in another
 is stored once, by rank 0, and rank 1's stats say it sends nothing and decided exactly what rank 0
 decided. A random Qwen3 and a random DeepSeek-V3 (MLA, MoE) at TP 2 answer what transformers answers
 greedily, with rows within 1e-5 of its fp32 states (their DP-attention shape: tests/test_dp_attention.py).
-The rule that keeps ranks alike is checked without a server too: a rank that decides otherwise stops
+The TP 2 replica also takes in-place draft swaps (SGLang's weight-update API, one payload per rank) that land on
+both ranks. The rule that keeps ranks alike is checked without a server too: a rank that decides otherwise stops
 capture loudly instead of storing rows of batches the ranks no longer compute alike.
 """
 
@@ -122,6 +123,27 @@ def draft(tmp_path_factory) -> Path:
     return out
 
 
+def swap_away_and_back(server: SGLangServer, draft: Path, other: Path) -> None:
+    """A draft swapped in place into a TP 2 replica lands on every rank: swapping `other` in moves each rank's
+    draft checksum, swapping the served draft back gives each rank the checksum it had as a fresh server on
+    that draft, and the answers are the ones it gave before."""
+    from eagle_tap.serve.http_api import weights_checksums_by_rank
+    from eagle_tap.serve.swap import swap_draft
+
+    prompt = {"input_ids": requests(3)[2]["ids"], "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS,
+                                                                       "temperature": 0}}
+    answer = post_json(f"{server.url}/generate", prompt)["output_ids"]
+    fresh = weights_checksums_by_rank(server.url, "draft")
+    assert sorted(fresh) == [0, 1]
+    away = swap_draft(server.url, other, serving_dir=draft, check_target=True)
+    assert away.target_unchanged is True and away.num_tensors > 0
+    moved = weights_checksums_by_rank(server.url, "draft")
+    assert all(moved[rank] != fresh[rank] for rank in fresh), (moved, fresh)
+    swap_draft(server.url, draft, serving_dir=draft)
+    assert weights_checksums_by_rank(server.url, "draft") == fresh
+    assert post_json(f"{server.url}/generate", prompt)["output_ids"] == answer
+
+
 @pytest.mark.sglang
 def test_tp2_serving_a_draft_stores_each_request_once_with_the_tp1_records(draft, collector, tmp_path_factory):
     chain = SpeculativeConfig(draft_dir=draft, num_steps=3)
@@ -134,6 +156,9 @@ def test_tp2_serving_a_draft_stores_each_request_once_with_the_tp1_records(draft
             sender, peer = settled_stats(spool, peer=tp == 2)
             if tp == 2:
                 check_ranks(sender, peer, collector, stats_before[2])
+                untrained = tmp_path_factory.mktemp("draft") / "untrained"
+                assert main(["export", "--checkpoint", str(trained_run()), "--out", str(untrained), "--untrained"]) == 0
+                swap_away_and_back(server, draft, untrained)
         finally:
             server.stop()
     assert sum(answer["meta_info"].get("num_retractions", 0) for _, answer in answers[2].values()) >= 1

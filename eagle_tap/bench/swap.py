@@ -3,8 +3,10 @@
 Per width in `hidden_sizes`, one CPU SGLang server at a time (stopped before the next starts) serves a target
 of that hidden size with EAGLE-3 chain drafting, and `eagle_tap.serve.swap.swap_draft` puts two random drafts
 of the same shape (A, the one it started with, and B, other weights) into it by turns, A -> B -> A ...:
-`num_swaps` swaps idle, then `num_swaps` more while `load_concurrency` threads send greedy requests throughout,
-`gap_s` apart. Width 128 is the bundled tiny target; other widths are random Llama targets built here (`num_layers` layers,
+`num_swaps` swaps idle that also take the target's checksum (`check_target`, as every swap did before the loop
+took it only on meeting a replica), `num_swaps` idle that take the draft's only (what the loop's promotions do),
+then `num_swaps` more, draft only, while `load_concurrency` threads send greedy requests throughout, `gap_s`
+apart. Width 128 is the bundled tiny target; other widths are random Llama targets built here (`num_layers` layers,
 heads of 64, intermediate 4x hidden, the tiny tokenizer's 4,096-token vocab), since the draft's width is the
 target's (it shares the target's embed_tokens). Both drafts are the trainer's initialisation (`Eagle3Draft`,
 seeds 0 and 1), exported as `eagle-tap export` writes a draft, in bf16 like the targets.
@@ -12,11 +14,13 @@ seeds 0 and 1), exported as `eagle-tap export` writes a draft, in bf16 like the 
 Reported per width and condition:
 - draft bytes sent: the tensors a swap sends (every exported one but the vocab mapping and embed_tokens);
 - swap wall time: the whole `swap_draft` call (checks, loading and serialising the tensors, SGLang's checksums
-  before and after, the five weight-update calls), and apart, idle, its checks + load + serialise and its four
-  checksum calls;
+  before and after, the five weight-update calls), and apart, idle, its checks + load + serialise and the
+  checksum calls (draft and target, before and after: each target one hashes the whole target on the
+  scheduler's thread, so requests stall for it outside the pause too);
 - scheduler pause: `SwapResult.paused_s`, pause to continue, the stall running requests see; per GB sent;
-- verified: every swap left the target's checksum unchanged and moved the draft's to the checksum of the set
-  sent (B's differs from A's, and A's after a swap back is the one the server started with);
+- verified: every swap moved the draft's checksum to that of the set sent (B's differs from A's, and A's after
+  a swap back is the one the server started with); the target's is unchanged by every swap that checked it,
+  and after the last swap equal to the one at start-up;
 - under load: requests answered and failed (an exception, or fewer tokens than asked), how many were in
   flight across a whole swap call (started before it, finished after: paused in place, not dropped), and a
   request's median time (a random draft proposes nothing right, so about one target step per token).
@@ -46,7 +50,8 @@ from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 TINY_HIDDEN_SIZE = 128
 """The bundled tiny target's width: served as it is; other widths get a random target."""
 HEAD_DIM = 64
-CONDITIONS = ("idle", "load")
+CONDITIONS = ("idle+target", "idle", "load")
+"""Idle swaps that also check the target, idle swaps that check the draft only, and draft-only swaps under load."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -169,24 +174,27 @@ class Load:
 
 
 def parts_s(url: str, drafts: dict[str, Path], repeats: int = 3) -> dict[str, float]:
-    """Median times of two parts of a swap, done here as swap_draft does them but without the update: the checks,
-    loading and serialising of B's tensors (`prepare`), and its four checksum calls (draft and target, before
-    and after)."""
-    times: dict[str, list[float]] = {"prepare": [], "checksums": []}
+    """Median times of parts of a swap, done here as swap_draft does them but without the update: the checks,
+    loading and serialising of B's tensors (`prepare`), its two draft checksum calls (`draft_checksums`, before
+    and after) and the four calls of a swap that also checks the target (`checksums`)."""
+    times: dict[str, list[float]] = {"prepare": [], "draft_checksums": [], "checksums": []}
     for _ in range(repeats):
         started = time.perf_counter()
         check_draft_fits(drafts["B"], **in_place_of(drafts["A"]))
         named = draft_tensors(drafts["B"])
         _serialize(named)
         times["prepare"].append(time.perf_counter() - started)
-        started = time.perf_counter()
-        for selector in ("draft", "target", "draft", "target"):
-            weights_checksum(url, selector)
-        times["checksums"].append(time.perf_counter() - started)
+        for part, selectors in (("draft_checksums", ("draft", "draft")),
+                                ("checksums", ("draft", "target", "draft", "target"))):
+            started = time.perf_counter()
+            for selector in selectors:
+                weights_checksum(url, selector)
+            times[part].append(time.perf_counter() - started)
     return {part: statistics.median(values) for part, values in times.items()}
 
 
-def swap_turns(url: str, drafts: dict[str, Path], num_swaps: int, serving: str, gap_s: float) -> list[dict[str, Any]]:
+def swap_turns(url: str, drafts: dict[str, Path], num_swaps: int, serving: str, gap_s: float, *,
+               check_target: bool = False) -> list[dict[str, Any]]:
     """num_swaps swaps alternating drafts "A" and "B", starting from `serving`, gap_s apart: per swap the set
     sent, the call's start and end (perf_counter) and SGLang's result."""
     swaps = []
@@ -194,22 +202,23 @@ def swap_turns(url: str, drafts: dict[str, Path], num_swaps: int, serving: str, 
         time.sleep(gap_s)
         sent = "B" if serving == "A" else "A"
         started = time.perf_counter()
-        result = swap_draft(url, drafts[sent], serving_dir=drafts["A"])
+        result = swap_draft(url, drafts[sent], serving_dir=drafts["A"], check_target=check_target)
         swaps.append({"sent": sent, "started": started, "ended": time.perf_counter(), "result": result})
         serving = sent
     return swaps
 
 
 def verified(swaps: list[dict[str, Any]], checksum_of: dict[str, str], target_checksum: str) -> bool:
-    """Every swap moved the draft's checksum from the set serving to the set sent and left the target's alone;
-    checksum_of ("A": the server's start-up draft) learns B's from its first swap."""
+    """Every swap moved the draft's checksum from the set serving to the set sent, and one that checked the target
+    left it as it was at start-up; checksum_of ("A": the server's start-up draft) learns B's from its first swap."""
     held = True
     for swap in swaps:
         result: SwapResult = swap["result"]
         before = checksum_of.get("A" if swap["sent"] == "B" else "B")
         after = checksum_of.setdefault(swap["sent"], result.draft_checksum_after)
-        held &= (result.verified and result.draft_checksum_before == before and result.draft_checksum_after == after
-                 and result.target_checksum_before == target_checksum == result.target_checksum_after)
+        held &= result.draft_checksum_before == before and result.draft_checksum_after == after
+        if result.target_checked:
+            held &= result.target_checksum_before == target_checksum == result.target_checksum_after
     return held and "B" in checksum_of and checksum_of["B"] != checksum_of["A"]
 
 
@@ -230,17 +239,21 @@ def measure_width(config: Config, hidden_size: int, work: Path) -> dict[str, Any
         checksum_of = {"A": weights_checksum(server.url, "draft")}
         target_checksum = weights_checksum(server.url, "target")
         parts = parts_s(server.url, drafts)
-        idle = swap_turns(server.url, drafts, config.num_swaps, serving="A", gap_s=config.gap_s)
+        checked = swap_turns(server.url, drafts, config.num_swaps, serving="A", gap_s=config.gap_s,
+                             check_target=True)
+        idle = swap_turns(server.url, drafts, config.num_swaps, serving=checked[-1]["sent"], gap_s=config.gap_s)
         with Load(server.url, config) as load:
-            loaded = swap_turns(server.url, drafts, config.num_swaps, serving=idle[-1]["sent"] if idle else "A",
-                                gap_s=config.gap_s)
+            loaded = swap_turns(server.url, drafts, config.num_swaps, serving=idle[-1]["sent"], gap_s=config.gap_s)
+        target_at_end = weights_checksum(server.url, "target")
     measured: dict[str, Any] = {"hidden_size": hidden_size, "target": target_note, "draft_bytes": draft_bytes,
-                                "num_tensors": (idle or loaded)[0]["result"].num_tensors,
-                                "prepare_ms": parts["prepare"] * 1e3, "checksums_ms": parts["checksums"] * 1e3}
-    for condition, swaps in (("idle", idle), ("load", loaded)):
+                                "num_tensors": idle[0]["result"].num_tensors, "prepare_ms": parts["prepare"] * 1e3,
+                                "checksums_ms": parts["checksums"] * 1e3,
+                                "draft_checksums_ms": parts["draft_checksums"] * 1e3}
+    for condition, swaps in (("idle+target", checked), ("idle", idle), ("load", loaded)):
         measured[condition] = {"wall_ms": [(swap["ended"] - swap["started"]) * 1e3 for swap in swaps],
                                "paused_ms": [swap["result"].paused_s * 1e3 for swap in swaps],
-                               "verified": verified(swaps, checksum_of, target_checksum)}
+                               "verified": verified(swaps, checksum_of, target_checksum)
+                               and target_at_end == target_checksum}
     measured["load"].update(
         requests_ok=sum(ok for _, _, ok in load.requests), requests_failed=sum(not ok for _, _, ok in load.requests),
         requests_across_a_swap=sum(any(start < swap["started"] and end > swap["ended"] for swap in loaded)
@@ -298,13 +311,17 @@ def report(config: Config, measured: list[dict[str, Any]]) -> dict[str, Any]:
         f"{_swaps(config.num_swaps)} idle, then {config.num_swaps} under load, alternating two random drafts "
         f"(A -> B -> A ...), {config.gap_s:g} s apart; load: {config.load_concurrency} threads sending greedy "
         f"requests of {config.prompt_tokens} prompt tokens and {config.max_new_tokens} generated, back to back",
-        "swap wall: the whole swap_draft call (checks, load + serialise, 4 checksum calls, pause, begin, update, "
-        "end, continue); two of its parts done apart, idle (median of 3): "
-        + "; ".join(f"{width['hidden_size']}: checks + load + serialise {width['prepare_ms']:,.0f} ms, 4 checksum "
-                    f"calls {width['checksums_ms']:,.0f} ms" for width in measured),
+        "swap wall: the whole swap_draft call (checks, load + serialise, the checksum calls, pause, begin, update, "
+        "end, continue); idle+target: each swap also takes the target's checksum before and after (as every swap "
+        "did before the loop took it only on meeting a replica), idle and load: the draft's only; its parts done "
+        "apart, idle (median of 3): "
+        + "; ".join(f"{width['hidden_size']}: checks + load + serialise {width['prepare_ms']:,.0f} ms, 2 draft "
+                    f"checksum calls {width['draft_checksums_ms']:,.0f} ms, 2 draft + 2 target "
+                    f"{width['checksums_ms']:,.0f} ms" for width in measured),
         "pause: pause_generation to continue_generation (SwapResult.paused_s); per GB: median / draft GB sent",
-        "verified: target checksum unchanged by every swap, draft checksum = that of the set sent (B's != A's, "
-        "A's = the one the server started with); " + ("all held" if all_verified else "SOME DID NOT HOLD"),
+        "verified: draft checksum = that of the set sent (B's != A's, A's = the one the server started with), target "
+        "checksum unchanged by every swap that checked it and after the last swap; "
+        + ("all held" if all_verified else "SOME DID NOT HOLD"),
         f"requests under load: answered in full / failed (an error or fewer tokens); {failed} failed in all; a "
         "request's median time (s): " + ", ".join(f"{width['hidden_size']}: {width['load']['request_s']:.2f}"
                                                   for width in measured),

@@ -7,7 +7,8 @@ not the plugin). Around it:
   draft can take the served one's place (same architecture, sizes, aux layer ids, vocab mapping, tensor
   shapes: `trainer.draft_fit.check_draft_fits` against the folder the replica was started from, or, where that folder is not
   on this host, against the version the registry says it serves) and was made for the target it serves;
-- after the swap, `verify`: the target's checksum did not move, the draft's moved (or already was this
+- after the swap, `verify`: the target's checksum did not move (where the swap checked it: the loop does on a
+  replica it meets first or again after a restart, not on every swap), the draft's moved (or already was this
   version's), and equals the checksum recorded for this version on a replica of the same dtype and
   parallelism when one is known; and a probe (greedy prompts whose answers the version's served walk was
   simulated on) gives a served acceptance length no lower than that simulation allows.
@@ -130,7 +131,7 @@ def verify(url: str, swap: SwapResult, *, known_checksum: str | None, probe_prom
            probe_max_new_tokens: int, simulated: float | None, tolerance: float) -> Verification:
     """The checks after a swap (module docstring). simulated: the version's served walk on the probe prompts."""
     after = swap.draft_checksum_after
-    if swap.target_checksum_after != swap.target_checksum_before:
+    if swap.target_unchanged is False:
         return Verification(ok=False, why="the target's weights changed during the draft swap", draft_checksum=after)
     if known_checksum is not None and after != known_checksum:
         return Verification(ok=False, why=f"the draft checksum {after[:16]} differs from this version's on other "
@@ -164,7 +165,7 @@ def swap_in(url: str, version_dir: Path, *, reference_dir: Path | None) -> tuple
     of the swap)."""
     replica, _ = prepare_swap(url, version_dir, reference_dir=reference_dir)
     started = time.perf_counter()
-    result = swap_draft(url, version_dir, serving_dir=None)  # prepare_swap checked it
+    result = swap_draft(url, version_dir, serving_dir=None, num_ranks=replica.tp_size)  # prepare_swap checked it
     return replica, result, time.perf_counter() - started
 
 

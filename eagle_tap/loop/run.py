@@ -160,7 +160,7 @@ class Loop(LoopState):
             if not rep.is_up(url):
                 if not record.get("down"):
                     self.registry.event("replica_down", replica=url, version=record.get("version"))
-                    self._set_replica(url, down=True)
+                    self._set_replica(url, down=True, target_checksum=None)  # it may come back another process
                 out[url] = "down"
                 continue
             try:
@@ -178,7 +178,12 @@ class Loop(LoopState):
                    f"{record.get('version')} (restarted, or swapped outside the loop)" if record.get("version") == desired
                    else f"it serves {record.get('version')}, the registry promoted {desired}")
             self.say(f"{url}: bringing it to {desired}: {why}")
-            outcome = self.swap_and_verify(url, desired, previous=record.get("version"), why=why)
+            # Met for the first time or restarted (its draft is not the one recorded): the swap checks the target
+            # too; otherwise as swap_and_verify decides (a draft swap cannot change the target, so a replica whose
+            # target checksum the registry holds skips that stall of its scheduler).
+            restarted = not record or record.get("version") == desired
+            outcome = self.swap_and_verify(url, desired, previous=record.get("version"), why=why,
+                                           check_target=True if restarted else None)
             out[url] = outcome["result"]
         return out
 
@@ -188,9 +193,15 @@ class Loop(LoopState):
 
         self.registry.update_state(change)
 
-    def swap_and_verify(self, url: str, version: str, *, previous: str | None, why: str) -> dict[str, Any]:
-        """Swap version into url, verify, and swap previous back on failure; records everything."""
+    def swap_and_verify(self, url: str, version: str, *, previous: str | None, why: str,
+                        check_target: bool | None = None) -> dict[str, Any]:
+        """Swap version into url, verify, and swap previous back on failure; records everything. check_target:
+        take the target's checksum around the swap (None: when the registry holds none for url yet, or holds
+        it as down), recorded as the replica's `target_checksum`."""
         state = self.registry.state()
+        if check_target is None:
+            record = state["replicas"].get(url) or {}
+            check_target = not record.get("target_checksum") or bool(record.get("down"))
         info = self.registry.version(version).info
         try:
             version_dir = self.registry.local_copy(version)
@@ -205,7 +216,8 @@ class Loop(LoopState):
             return {"result": "refused", "why": str(error)}
         started = time.perf_counter()
         try:
-            result = swap_draft(url, version_dir, serving_dir=None)  # prepare_swap checked it
+            result = swap_draft(url, version_dir, serving_dir=None, check_target=check_target,  # prepare_swap checked
+                                num_ranks=replica.tp_size)
         except (RuntimeError, OSError, ValueError) as error:  # touched: SGLang refused, or the replica went away
             why = f"the swap failed: {type(error).__name__}: {error}"[:2000]
             self.registry.event("swap_failed", replica=url, version=version, why=why)
@@ -222,10 +234,17 @@ class Loop(LoopState):
                                   probe_max_new_tokens=self.config.probe_max_new_tokens,
                                   simulated=probe.get("served_walk"), tolerance=self.config.probe_tolerance)
         swap_figures = {"paused_s": result.paused_s, "wall_s": wall_s, "num_tensors": result.num_tensors,
-                        "draft_checksum": result.draft_checksum_after, "probe": verification.probe}
+                        "draft_checksum": result.draft_checksum_after, "target_checked": result.target_checked,
+                        "probe": verification.probe}
+        recorded_target = (state["replicas"].get(url) or {}).get("target_checksum")
+        if result.target_checked and recorded_target and recorded_target != result.target_checksum_before:
+            self.registry.event("target_changed", replica=url, recorded=recorded_target,
+                                now=result.target_checksum_before)
         if verification.ok:
             def change(doc: dict[str, Any]) -> None:
+                kept = (doc["replicas"].get(url) or {}).get("target_checksum")
                 doc["replicas"][url] = {"version": version, "draft_checksum": result.draft_checksum_after,
+                                        "target_checksum": result.target_checksum_after or kept,
                                         "weights_key": replica.weights_key, "at": time.time(), "down": False}
                 doc.setdefault("checksums", {}).setdefault(version, {})[replica.weights_key] = \
                     result.draft_checksum_after
@@ -272,7 +291,7 @@ class Loop(LoopState):
                 outcomes[url] = {"result": "down"}
                 if not record.get("down"):
                     self.registry.event("replica_down", replica=url, version=record.get("version"))
-                    self._set_replica(url, down=True)
+                    self._set_replica(url, down=True, target_checksum=None)  # it may come back another process
                 continue
             outcome = self.swap_and_verify(url, version, previous=record.get("version") or previous,
                                            why="promotion" + ("" if canary_done else " (canary)"))

@@ -1,12 +1,13 @@
 """The calls eagle-tap makes to SGLang's HTTP API outside the client's own (`client/endpoints.py`, async): JSON
-POSTs (`/generate`, the weight-update session) and SGLang's weights checksum. Standard library only."""
+POSTs (`/generate`, the weight-update session), SGLang's weights checksums and its tensor-parallel size. Standard
+library only."""
 
 from __future__ import annotations
 
 import json
 import urllib.request
 
-__all__ = ["post_json", "weights_checksum"]
+__all__ = ["post_json", "tp_size", "weights_checksum", "weights_checksums_by_rank"]
 
 
 def post_json(url: str, payload: dict, timeout_s: float = 120) -> dict:
@@ -23,3 +24,24 @@ def weights_checksum(url: str, selector: str) -> str:
     if not checksum:
         raise RuntimeError(f"{url}/weights_checker gave no checksum for the {selector}: {str(answer)[:200]}")
     return str(checksum)
+
+
+def weights_checksums_by_rank(url: str, selector: str) -> dict[int, str]:
+    """SGLang's checksum of each tensor-parallel rank's share of the target or draft weights, by TP rank (the
+    engine's checksum above is a hash over these)."""
+    answer = post_json(f"{url}/weights_checker", {"action": "checksum", "selector": selector})
+    ranks = answer.get("ranks") if isinstance(answer, dict) else None
+    if not ranks:
+        raise RuntimeError(f"{url}/weights_checker gave no checksum per rank for the {selector}: {str(answer)[:200]}")
+    by_rank = {}
+    for rank in ranks:
+        # One parallelism entry per role on that rank (the target, each draft runner); all name the same TP rank.
+        info = rank["parallelism_info"]
+        by_rank[int((info[0] if isinstance(info, list) else info)["tp_rank"])] = str(rank["per_gpu_checksum"])
+    return by_rank
+
+
+def tp_size(url: str, timeout_s: float = 10) -> int:
+    """The replica's tensor-parallel size (SGLang's /server_info)."""
+    with urllib.request.urlopen(f"{url}/server_info", timeout=timeout_s) as response:
+        return int(json.loads(response.read()).get("tp_size") or 1)

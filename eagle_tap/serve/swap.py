@@ -8,6 +8,8 @@ The payload is SGLang's own `MultiprocessingSerializer` over the draft's tensors
 sharing strategy: the tensors travel as shared-memory handles, so the sender must run on the replica's host
 (the default `file_descriptor` strategy makes the scheduler fail with `AuthenticationError` and exit).
 `/update_weights_from_disk` is never used: it has no selector and loads the path into the target too.
+At tensor parallel size N, SGLang hands rank r `serialized_named_tensors[r]`: the same payload is sent N times
+(one serialisation, so the ranks map the same shared memory), and each rank's loader takes its shard of it.
 
 What must hold:
 - a draft that cannot take the serving one's place (another vocab mapping, which SGLang would silently keep
@@ -15,8 +17,14 @@ What must hold:
 - `embed_tokens` (the target's own tensor, shared by the draft) and `d2t`/`t2d` (copied once at start-up,
   ignored after) are never sent;
 - generation is paused only around the three weight-update calls, and continued even when one fails;
-- the result says what changed: the draft's and the target's checksums (`/weights_checker`) before and after.
-  The target's must not move; `SwapResult.verified` says whether both held.
+- the result says what changed: the draft's checksums (`/weights_checker`) before and after, and with
+  `check_target` the target's too, which must not move (`SwapResult.target_unchanged`).
+
+Why the target's checksum is asked for only on request: SGLang computes it on the scheduler's thread by
+dequantising and hashing every weight of the target, so each call stalls serving for as long as that takes
+(at width 2048 two of them were 1.3 s of a 1.5 s swap, `eagle-tap bench --only swap`) and grows with the
+target, which a draft update cannot change. The loop asks for it when it meets a replica for the first time
+or after the replica was restarted or found down (`eagle_tap.loop.run`), and keeps the figure in its registry.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle_tap.serve.http_api import post_json, weights_checksum
+from eagle_tap.serve.http_api import post_json, tp_size, weights_checksum
 from trainer.draft_fit import check_draft_fits, in_place_of
 
 NEVER_SENT = ("d2t", "t2d")
@@ -40,16 +48,21 @@ class SwapResult:
 
     draft_checksum_before: str
     draft_checksum_after: str
-    target_checksum_before: str
-    target_checksum_after: str
     paused_s: float
     """How long generation was paused (pause to continue), the scheduler's stall for running requests."""
     num_tensors: int
+    target_checksum_before: str | None = None
+    """SGLang's checksum of the target before the swap; None when the swap was not asked to check the target."""
+    target_checksum_after: str | None = None
 
     @property
-    def verified(self) -> bool:
-        """The target's weights did not move and the draft's did (unless the same weights were sent again)."""
-        return self.target_checksum_after == self.target_checksum_before
+    def target_checked(self) -> bool:
+        return self.target_checksum_before is not None
+
+    @property
+    def target_unchanged(self) -> bool | None:
+        """Whether the target's weights stayed as they were; None when the target was not checked."""
+        return self.target_checksum_after == self.target_checksum_before if self.target_checked else None
 
 
 def draft_tensors(draft_dir: str | Path) -> list[tuple[str, Any]]:
@@ -73,22 +86,27 @@ def _serialize(named: list[tuple[str, Any]]) -> str:
         torch.multiprocessing.set_sharing_strategy(strategy)
 
 
-def swap_draft(url: str, candidate_dir: str | Path, *, serving_dir: str | Path | None) -> SwapResult:
+def swap_draft(url: str, candidate_dir: str | Path, *, serving_dir: str | Path | None,
+               check_target: bool = False, num_ranks: int | None = None) -> SwapResult:
     """Replace the weights of the draft the replica at url serves by candidate_dir's, in place. serving_dir: the
     folder of the draft it serves, which the candidate is checked against first (trainer.draft_fit); None when
-    the caller checked it already (the loop's `prepare_swap`), so each swap runs the check once."""
+    the caller checked it already (the loop's `prepare_swap`), so each swap runs the check once. check_target:
+    also take the target's checksum before and after (a stall of the scheduler each: module docstring).
+    num_ranks: the replica's tensor-parallel size (None: asked from its /server_info)."""
     if serving_dir is not None:
         check_draft_fits(candidate_dir, **in_place_of(serving_dir))
     named = draft_tensors(candidate_dir)  # kept alive until the update returned: the payload only points at them
     payload = _serialize(named)
-    draft_before, target_before = weights_checksum(url, "draft"), weights_checksum(url, "target")
+    num_ranks = tp_size(url) if num_ranks is None else num_ranks
+    draft_before = weights_checksum(url, "draft")
+    target_before = weights_checksum(url, "target") if check_target else None
     post_json(f"{url}/pause_generation", {"mode": "in_place"})
     paused_at = time.perf_counter()
     try:
         post_json(f"{url}/begin_weight_update", {"selector": "draft"})
         try:
             answer = post_json(f"{url}/update_weights_from_tensor", {
-                "serialized_named_tensors": [payload], "selector": "draft", "flush_cache": False})
+                "serialized_named_tensors": [payload] * num_ranks, "selector": "draft", "flush_cache": False})
         finally:
             post_json(f"{url}/end_weight_update", {})
     finally:
@@ -97,5 +115,6 @@ def swap_draft(url: str, candidate_dir: str | Path, *, serving_dir: str | Path |
     if not answer.get("success", False):
         raise RuntimeError(f"SGLang refused the draft update: {answer.get('message')}")
     return SwapResult(draft_checksum_before=draft_before, draft_checksum_after=weights_checksum(url, "draft"),
-                      target_checksum_before=target_before, target_checksum_after=weights_checksum(url, "target"),
+                      target_checksum_before=target_before,
+                      target_checksum_after=weights_checksum(url, "target") if check_target else None,
                       paused_s=paused_s, num_tensors=len(named))
