@@ -546,3 +546,70 @@ def test_a_loop_killed_mid_promotion_leaves_a_registry_the_next_one_completes(ri
         assert state["replicas"][url]["version"] == name
         assert checksum(url) == state["replicas"][url]["draft_checksum"], url
     assert [generate(url, rig.prompts[0])["output_ids"] for url in (a, b)] == [rig.reference[0]] * 2
+
+
+def loop_promote_args(rig, draft: Path, *more: str) -> list[str]:
+    config = rig.config
+    return ["loop", "promote", "--registry", config.registry, "--shards", config.shards,
+            "--replica", config.replicas[0], "--replica", config.replicas[1], "--target", config.target,
+            "--draft-config", config.draft_config, "--vocab", config.vocab, "--work-dir", config.work_dir,
+            *more, str(draft)]
+
+
+@pytest.mark.sglang
+def test_a_hand_trained_draft_is_refused_gated_and_rolled_out_canary_first(rig, tmp_path, capsys):
+    """Last in the module (it leaves the replicas on the trained weights). `eagle-tap loop promote`: a draft with
+    another vocab mapping or shape is refused before any registry object or replica is touched; the untrained
+    draft fails the gate against the trained one promoted now, and is rolled out only with --force (recorded);
+    then the trained draft, handed in again from outside, passes the gate and reaches both replicas, canary
+    first."""
+    a, b = rig.a.url, rig.b.url
+    reader = Registry(Path(rig.config.registry), create=False)
+
+    def wider_norm(tensors):
+        norm = next(name for name in sorted(tensors) if "norm" in name)
+        tensors[norm] = tensors[norm].repeat(2)
+
+    unchanged = (reader.version_names(), reader.state()["promoted"], last_event_number(reader),
+                 {url: checksum(url) for url in (a, b)})
+    for label, folder, why in (
+            ("d2t", edited_copy(rig.trained, tmp_path / "d2t", lambda t: t.__setitem__("d2t", t["d2t"].flip(0))),
+             "vocab mapping"),
+            ("shapes", edited_copy(rig.trained, tmp_path / "shapes", wider_norm), "differ in tensors")):
+        assert main(loop_promote_args(rig, folder, "--force")) == 2, label
+        assert why in capsys.readouterr().err, label
+        assert (reader.version_names(), reader.state()["promoted"], last_event_number(reader),
+                {url: checksum(url) for url in (a, b)}) == unchanged, label
+
+    trained_checksum = unchanged[3][a]
+    first = last_event_number(reader)
+    assert main(loop_promote_args(rig, rig.untrained)) == 1  # worse than the trained version it would replace
+    state = reader.state()
+    rejected = reader.version_names()[-1]
+    assert state["versions"][rejected]["state"] == "rejected" and state["promoted"] == unchanged[1]
+    events = events_since(reader, first)
+    assert [e["kind"] for e in events] == ["registered", "gate", "rejected"], events  # no replica touched
+    assert checksum(a) == checksum(b) == trained_checksum
+
+    first = last_event_number(reader)
+    assert main(loop_promote_args(rig, rig.untrained, "--force")) == 0
+    forced = reader.version_names()[-1]
+    state = reader.state()
+    assert state["promoted"] == forced and reader.version(forced).info["made"]["forced"] is True
+    events = events_since(reader, first)
+    assert [e["forced"] for e in events if e["kind"] == "gate"] == [True]
+    assert [e["replica"] for e in events if e["kind"] == "swapped" and e["version"] == forced] == [a, b]
+    untrained_checksum = checksum(a)
+    assert untrained_checksum == checksum(b) != trained_checksum
+
+    first = last_event_number(reader)
+    assert main(loop_promote_args(rig, rig.trained)) == 0
+    passed = reader.version_names()[-1]
+    state = reader.state()
+    assert state["promoted"] == passed and state["versions"][forced]["state"] == "superseded"
+    gate = [e for e in events_since(reader, first) if e["kind"] == "gate"]
+    assert [(e["passed"], e["forced"]) for e in gate] == [(True, False)], gate
+    swapped = [e for e in events_since(reader, first) if e["kind"] == "swapped"]
+    assert [e["replica"] for e in swapped] == [a, b] and not any(e["target_checked"] for e in swapped)
+    assert checksum(a) == checksum(b) == trained_checksum
+    assert [generate(url, rig.prompts[0])["output_ids"] for url in (a, b)] == [rig.reference[0]] * 2

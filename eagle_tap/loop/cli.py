@@ -1,4 +1,4 @@
-"""`eagle-tap loop init | run | status`: the closed loop from captured traffic to the served draft."""
+"""`eagle-tap loop init | run | promote | status`: the closed loop from captured traffic to the served draft."""
 
 from __future__ import annotations
 
@@ -51,6 +51,19 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _promote(args: argparse.Namespace) -> int:
+    from eagle_tap.loop.hand_trained import promote_hand_trained
+    from eagle_tap.loop.run import Loop
+
+    config = _config(args)
+    with Loop(config, log_line=lambda line: print(line, flush=True)) as loop:
+        result = promote_hand_trained(loop, args.draft, force=args.force, num_records=args.records)
+    print(f"{result['version']}: {result['state']}" + (f" ({result['why']})" if result.get("why") else ""))
+    for url, outcome in (result.get("replicas") or {}).items():
+        print(f"  {url}: {outcome.get('result')}")
+    return 0 if result["state"] == "promoted" else 1
+
+
 def _status(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -101,6 +114,20 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     _common(run)
     run.add_argument("--max-ticks", type=int, default=None, help="stop after N ticks (default: run until stopped)")
     run.set_defaults(run=_run)
+    promote = commands.add_parser(
+        "promote", help="roll out a draft trained outside the loop: checked, gated, canary first",
+        description="Register an exported draft trained elsewhere (eagle-tap train, export) as the next version: "
+        "refused before anything is written unless it can take the promoted version's place (vocab mapping, "
+        "shapes, aux layers, target); judged by the loop's gate against the promoted version on the newest "
+        "records of --shards and the regression set; promoted canary first if it passes (or with --force). Exits "
+        "0 once promoted, 1 when rejected or rolled back. Stop `loop run` on this registry first.")
+    _common(promote)
+    promote.add_argument("draft", help="the exported draft folder (config.json, model.safetensors)")
+    promote.add_argument("--force", action="store_true",
+                         help="promote even if the gate fails (recorded as forced in the version and the gate event)")
+    promote.add_argument("--records", type=int, default=64,
+                         help="judge on the newest N records of --shards (default 64)")
+    promote.set_defaults(run=_promote)
     status = commands.add_parser("status", help="versions, replicas, served acceptance over time, events")
     status.add_argument("--registry", required=True, help="folder or s3:// prefix of the draft registry")
     status.add_argument("--plot", help="also draw served acceptance over time into this PNG")

@@ -124,6 +124,23 @@ def gate(loop: LoopState, new: dict[str, dict[str, Any]], regression: dict[str, 
     return True, why
 
 
+def judge(loop: LoopState, candidate_dir: Path, serving_dir: Path, record_ids: list[str]) -> dict[str, Any]:
+    """Candidate and promoted version evaluated on these records of the shard set (`heldout`) and on the
+    regression set, and the gate's verdict on them (`gate`: passed, why)."""
+    config = loop.config
+    evaluation: dict[str, Any] = {"heldout": {}, "regression": None}
+    for label, folder in (("candidate", candidate_dir), ("serving", serving_dir)):
+        evaluation["heldout"][label] = evaluate_draft(loop, folder, config.shards, record_ids)
+    if config.regression_shards:
+        regression_ids = [entry.record_id for entry in shard_entries(config.regression_shards)]
+        evaluation["regression"] = {label: evaluate_draft(loop, folder, config.regression_shards, regression_ids)
+                                    for label, folder in (("candidate", candidate_dir), ("serving", serving_dir))}
+    passed, why = gate(loop, evaluation["heldout"], evaluation["regression"])
+    evaluation["gate"] = {"passed": passed, "why": why, "margin": config.gate_margin,
+                          "regression_tolerance": config.regression_tolerance}
+    return evaluation
+
+
 def maybe_run_round(loop: LoopState) -> dict[str, Any] | None:
     """Runs a round when one is due (module docstring); None when not."""
     config = loop.config
@@ -174,16 +191,8 @@ def maybe_run_round(loop: LoopState) -> dict[str, Any] | None:
     serving_dir = registry.local_copy(serving)
     info["training"] = train_candidate(loop, round_dir, serving_dir, new_ids + replay_ids)
     candidate_dir = Path(info["training"]["export"])
-    evaluation: dict[str, Any] = {"heldout": {}, "regression": None}
-    for label, folder in (("candidate", candidate_dir), ("serving", serving_dir)):
-        evaluation["heldout"][label] = evaluate_draft(loop, folder, config.shards, heldout_ids)
-    if config.regression_shards:
-        regression_ids = [entry.record_id for entry in shard_entries(config.regression_shards)]
-        evaluation["regression"] = {label: evaluate_draft(loop, folder, config.regression_shards, regression_ids)
-                                    for label, folder in (("candidate", candidate_dir), ("serving", serving_dir))}
-    passed, why = gate(loop, evaluation["heldout"], evaluation["regression"])
-    evaluation["gate"] = {"passed": passed, "why": why, "margin": config.gate_margin,
-                          "regression_tolerance": config.regression_tolerance}
+    evaluation = judge(loop, candidate_dir, serving_dir, heldout_ids)
+    passed, why = evaluation["gate"]["passed"], evaluation["gate"]["why"]
     made = {"round": name, "init_from": serving, "steps": info["training"]["steps"],
             "new_records": len(new_ids), "replay_records": len(replay_ids), "heldout_records": len(heldout_ids),
             "training_records_sha256": ids_digest(new_ids + replay_ids), "heldout_records_sha256": ids_digest(heldout_ids),
