@@ -218,6 +218,42 @@ def test_the_age_trigger_starts_a_round_with_fewer_than_min_new_records(base, tm
         assert loop.registry.state()["versions"][result["version"]]["state"] == "rejected"
 
 
+def test_a_round_trained_by_two_torchrun_processes_gives_the_one_process_version(base, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    with pytest.raises(ValueError, match="train_processes=3 must be at least 1 and divide batch_size=4"):
+        LoopConfig(registry="r", shards="s", target="t", draft_config="d", vocab="v", work_dir="w", batch_size=4,
+                   train_processes=3)  # refused when the settings are read, before any round
+    weights, trained, infos = {}, {}, {}
+    for processes in (1, 2):  # the same round, the same global batch of 4: in the loop's process, then 2 x 2
+        setup = Setup(base, tmp_path / f"p{processes}", gate_margin=-10.0, regression_tolerance=10.0,
+                      train_processes=processes, train_num_threads=1)
+        with setup.loop() as loop:
+            add_records(setup.shards, 64, 8)
+            result = loop.tick()["round"]
+            assert result["version"] == "v0002" and result["decision"] == "promote", result
+            infos[processes] = loop.registry.read_round("r0001")
+            weights[processes] = load_file(loop.registry.local_copy("v0002") / "model.safetensors")
+            trained[processes] = load_file(Path(infos[processes]["training"]["run_dir"]) / "final" / "model.safetensors")
+    assert infos[1]["training"]["launcher"] is None and infos[1]["training"]["processes"] == 1
+    assert "torch.distributed.run" in infos[2]["training"]["launcher"] and infos[2]["training"]["processes"] == 2
+    train_dir = Path(infos[2]["training"]["run_dir"])
+    assert json.loads((train_dir.parent / "train-config.json").read_text())["data"]["batch_size"] == 2
+    assert '"finished": true' in (train_dir.parent / "train.log").read_text()  # the launcher's output is kept
+    assert infos[1]["new_record_ids"] == infos[2]["new_record_ids"]
+    assert infos[1]["replay_record_ids"] == infos[2]["replay_record_ids"]
+    assert infos[1]["training"]["steps"] == infos[2]["training"]["steps"] == TRAIN_STEPS
+    assert infos[2]["training"]["last_loss"] == pytest.approx(infos[1]["training"]["last_loss"], rel=1e-4)
+    assert trained[1].keys() == trained[2].keys()
+    for name, tensor in trained[1].items():  # the fp32 weights the round trained
+        torch.testing.assert_close(trained[2][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+    assert weights[1].keys() == weights[2].keys()
+    for name, tensor in weights[1].items():  # the versions, exported in bf16: at most one rounding step apart
+        torch.testing.assert_close(weights[2][name].float(), tensor.float(), rtol=2 ** -7, atol=0, msg=name)
+    assert not torch.equal(weights[2]["fc.weight"], load_file(base["export"] / "model.safetensors")["fc.weight"])
+
+
 def test_coverage_below_the_floor_trains_nothing_and_asks_for_a_new_mapping(base, tmp_path):
     setup = Setup(base, tmp_path, min_coverage=1.01)
     with setup.loop() as loop:

@@ -70,7 +70,23 @@ class LoopConfig:
     train_num_threads: int | None = None
     """torch CPU threads of a round's training (None: torch's default); on a CPU shared with serving replicas, 1
     keeps training from fighting them for cores."""
+    train_processes: int = 1
+    """Processes a round's training runs on (torch DDP: each reads batch_size / train_processes records of every
+    global batch, so the version equals a one-process round's within float tolerance). 1 with no train_launcher:
+    in the loop's own process."""
+    train_launcher: str | None = None
+    """The command that starts a round's training, followed by `-m eagle_tap.cli train --config FILE` (FILE in
+    work_dir): {python} is this interpreter, {processes} train_processes. None: `{python} -m torch.distributed.run
+    --standalone --nproc-per-node {processes}` when train_processes > 1. To train on a GPU node, e.g. `ssh gpu-node
+    torchrun --nproc-per-node {processes}`, with work_dir, the shards and the registry's inputs at the same paths
+    there; the loop's host then only evaluates and decides."""
     poll_s: float = 10.0
     """Seconds between ticks of `eagle-tap loop run`."""
     seed: int = 0
     """Seeds the replay draw, the data order and the draft's initialisation."""
+
+    def __post_init__(self) -> None:
+        if self.train_processes < 1 or self.batch_size % self.train_processes:
+            raise ValueError(f"train_processes={self.train_processes} must be at least 1 and divide batch_size="
+                             f"{self.batch_size}: each process reads batch_size / train_processes records of every "
+                             "global batch")

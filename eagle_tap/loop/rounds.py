@@ -83,26 +83,69 @@ def coverage(loop: LoopState, entries: list[Any]) -> dict[str, Any]:
     return {"loss_tokens": total, "covered": covered, "coverage": covered / total if total else 1.0}
 
 
+DEFAULT_TRAIN_LAUNCHER = "{python} -m torch.distributed.run --standalone --nproc-per-node {processes}"
+"""How train_candidate starts train_processes > 1 processes when no train_launcher is configured."""
+
+
 def train_candidate(loop: LoopState, round_dir: Path, init_from: Path, record_ids: list[str]) -> dict[str, Any]:
+    """Trains the round's candidate from init_from on record_ids and exports it: in this process, or as `eagle-tap
+    train` under the configured launcher (LoopConfig.train_processes, train_launcher)."""
     from trainer.config import Config as TrainConfig
     from trainer.config import DataConfig, ObjectiveConfig, OptimizerConfig
     from trainer.export import export
     from trainer.train import train
 
     config = loop.config
+    processes = config.train_processes  # divides batch_size (LoopConfig checks it)
     run_dir = round_dir / "train"
-    summary = train(TrainConfig(
+    train_config = TrainConfig(
         target=config.target, draft_config=config.draft_config, vocab=config.vocab, out_dir=str(run_dir),
         seed=config.seed, init_from=str(init_from),
         data=DataConfig(shards=config.shards, record_ids=str(write_ids(round_dir / "train-records.txt", record_ids)),
-                        batch_size=config.batch_size, max_length=config.max_length, seed=config.seed),
+                        batch_size=config.batch_size // processes, max_length=config.max_length, seed=config.seed),
         objective=ObjectiveConfig(ttt_steps=config.ttt_steps),
         optimizer=OptimizerConfig(learning_rate=config.learning_rate, warmup_steps=config.warmup_steps),
         num_steps=config.train_steps, log_every=max(1, config.train_steps // 10), checkpoint_every=0,
-        progress_bar=sys.stderr.isatty(), num_threads=config.train_num_threads))
+        progress_bar=sys.stderr.isatty(), num_threads=config.train_num_threads)
+    launcher = config.train_launcher or (DEFAULT_TRAIN_LAUNCHER if processes > 1 else None)
+    if launcher is None:
+        summary = train(train_config)
+        steps, first_loss, last_loss = summary["step"], summary["first_loss"], summary["last_loss"]
+    else:
+        steps, first_loss, last_loss = launch_training(loop, launcher, train_config, round_dir)
     folder = export(run_dir, round_dir / "export")
-    return {"run_dir": str(run_dir), "export": str(folder), "steps": summary["step"],
-            "first_loss": summary["first_loss"], "last_loss": summary["last_loss"]}
+    return {"run_dir": str(run_dir), "export": str(folder), "steps": steps, "processes": processes,
+            "launcher": launcher, "first_loss": first_loss, "last_loss": last_loss}
+
+
+def launch_training(loop: LoopState, launcher: str, train_config: Any, round_dir: Path) -> tuple[int, float, float]:
+    """`eagle-tap train --config` on the round's config under launcher; its log goes to round_dir/train.log. The
+    last step and the first and last logged losses, read back from the run's metrics.jsonl."""
+    import dataclasses
+    import json
+    import shlex
+    import subprocess
+
+    from trainer.config_io import config_to_dict
+    from trainer.metrics import read_metrics
+
+    config_path = round_dir / "train-config.json"
+    train_config = dataclasses.replace(train_config, progress_bar=False)  # its output goes to a log file
+    config_path.write_text(json.dumps(config_to_dict(train_config), indent=2) + "\n", encoding="utf-8")
+    command = [*shlex.split(launcher.format(python=shlex.quote(sys.executable), processes=loop.config.train_processes)),
+               "-m", "eagle_tap.cli", "train", "--config", str(config_path)]
+    loop.say(f"training the round's candidate: {shlex.join(command)}")
+    log_path = round_dir / "train.log"
+    with open(log_path, "wb") as log:
+        finished = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    if finished.returncode != 0:
+        tail = log_path.read_bytes()[-3000:].decode("utf-8", "replace")
+        raise RuntimeError(f"the round's training exited with {finished.returncode} ({shlex.join(command)}); "
+                           f"the end of {log_path}:\n{tail}")
+    lines = read_metrics(Path(train_config.out_dir) / "metrics.jsonl", "train")
+    if not lines:
+        raise RuntimeError(f"the round's training wrote no train line to {train_config.out_dir}/metrics.jsonl")
+    return int(lines[-1]["step"]), float(lines[0]["loss"]), float(lines[-1]["loss"])
 
 
 def gate(loop: LoopState, new: dict[str, dict[str, Any]], regression: dict[str, dict[str, Any]] | None) -> tuple[bool, str]:
