@@ -22,8 +22,8 @@ What must hold:
 
 Why the target's checksum is asked for only on request: SGLang computes it on the scheduler's thread by
 dequantising and hashing every weight of the target, so each call stalls serving for as long as that takes
-(at width 2048 a swap call took 1,154 ms with them and 450 ms without, `eagle-tap bench --only swap`) and grows with the
-target, which a draft update cannot change. The loop asks for it when it meets a replica for the first time
+(at width 2048 a swap call took 1,154 ms with them and 450 ms without, `eagle-tap bench --only swap`) and
+grows with the target, which a draft update cannot change. The loop asks for it when it meets a replica for the first time
 or after the replica was restarted or found down (`eagle_tap.loop.run`), and keeps the figure in its registry.
 """
 
