@@ -90,6 +90,7 @@ def settings_table() -> str:
     from capture_format.object_store import ENVIRONMENT as OBJECT_STORE_ENVIRONMENT
     from collector_service.settings import CollectorSettings
     from sglang_patch.settings import CaptureSettings
+    from eagle_tap.loop.agent import AgentConfig
     from eagle_tap.loop.config import LoopConfig
     from trainer.config import Config as TrainConfig
 
@@ -97,6 +98,7 @@ def settings_table() -> str:
     rows += _pydantic_rows(CollectorSettings, "collector (env / flag)", "EAGLE_TAP_COLLECTOR_", _collector_flags())
     rows += _dataclass_rows(TrainConfig, "trainer (`train --config` key)")
     rows += _dataclass_rows(LoopConfig, "loop (`loop --config` key, or `--set key=value`)")
+    rows += _dataclass_rows(AgentConfig, "agent (`loop agent --config` key, or `--set key=value`)")
     rows += [("object store (env of collector and readers)", f"`{name}`", default, meaning)
              for name, default, meaning in OBJECT_STORE_ENVIRONMENT]
     return markdown_table(["part", "setting", "default", "meaning"], rows)

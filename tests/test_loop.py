@@ -9,7 +9,8 @@ tests/test_trainer_export.py's run, and a draftless reference. The tests share t
 promotion of the trained export under load (no failed request, every greedy answer the draftless one, pauses
 under a second, served acceptance up); wrong weights refused or rolled back on the canary; a replica down
 during a promotion caught up by the next tick; a `loop run` killed with SIGKILL mid-promotion and started
-again. Registry versions are added with `registry.add_version` (no round: a round would train on CPU, too
+again; one loop and an agent process per replica on an S3 registry (canary first, a failed canary, an agent
+killed mid-swap); a hand-trained draft through `loop promote`. Registry versions are added with `registry.add_version` (no round: a round would train on CPU, too
 slow for this module; tests/test_trainer_init_from.py covers the trainer side).
 """
 
@@ -29,6 +30,7 @@ from pathlib import Path
 import pytest
 
 import trainer_data
+from test_object_store import new_bucket, s3  # noqa: F401  (fixture: a moto S3 server)
 from eagle_tap.cli import main
 from eagle_tap.loop.registry import Registry, RegistryError, RegistryLocked
 from eagle_tap.loop.run import Loop, LoopConfig
@@ -420,12 +422,12 @@ def test_a_replica_that_fails_verification_after_the_canary_is_put_back_alone(ri
     """The transfer to the second replica is made to deliver other weights than the version's (a fault injected at
     the swap call): its draft checksum then differs from the canary's for the same version, so that replica alone
     goes back to the previous version, and the canary keeps the new one."""
-    import eagle_tap.loop.run as loop_run
+    import eagle_tap.loop.sync as loop_sync
 
     a, b = rig.a.url, rig.b.url
     scaled = edited_copy(rig.trained, tmp_path / "scaled", lambda tensors: tensors.__setitem__(
         "fc.weight", tensors["fc.weight"] * 1.01))
-    real_swap = loop_run.swap_draft
+    real_swap = loop_sync.swap_draft
 
     def faulty_transfer(url, candidate_dir, *, serving_dir, **options):
         if url == b and Path(candidate_dir).name == name:  # what arrives at b is not the version
@@ -437,9 +439,9 @@ def test_a_replica_that_fails_verification_after_the_canary_is_put_back_alone(ri
         before = {url: checksum(url) for url in (a, b)}
         name = loop.registry.add_version(scaled, parent=previous, made={"how": "fc scaled by 1.01"}).name
         first = last_event_number(loop.registry)
-        monkeypatch.setattr(loop_run, "swap_draft", faulty_transfer)
+        monkeypatch.setattr(loop_sync, "swap_draft", faulty_transfer)
         result = loop.promote(name)
-        monkeypatch.setattr(loop_run, "swap_draft", real_swap)
+        monkeypatch.setattr(loop_sync, "swap_draft", real_swap)
         events = events_since(loop.registry, first)
         state = loop.registry.state()
         assert loop.bring_up_to_date() == {a: f"serves {name}", b: f"serves {previous}"}  # b is not retried
@@ -546,6 +548,145 @@ def test_a_loop_killed_mid_promotion_leaves_a_registry_the_next_one_completes(ri
         assert state["replicas"][url]["version"] == name
         assert checksum(url) == state["replicas"][url]["draft_checksum"], url
     assert [generate(url, rig.prompts[0])["output_ids"] for url in (a, b)] == [rig.reference[0]] * 2
+
+
+def start_agent(rig, registry: str, url: str, log_path: Path) -> subprocess.Popen:
+    """`eagle-tap loop agent` for one replica, as its own process (the S3 server's settings are in os.environ)."""
+    command = [sys.executable, "-m", "eagle_tap.cli", "loop", "agent", "--registry", registry, "--replica", url,
+               "--regression-shards", str(rig.shards), "--set", "poll_s=0.2", "--set", "probe_records=3",
+               "--set", f"probe_max_new_tokens={MAX_NEW_TOKENS}", "--set", "probe_tolerance=0.1",
+               "--set", f"lease_s={AGENT_LEASE_S}"]
+    return subprocess.Popen(command, cwd=REPO, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+
+
+AGENT_LEASE_S = 4.0
+
+
+def wait_for(condition, what: str, timeout_s: float = 240.0, logs: tuple[Path, ...] = ()):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}\n" + "\n".join(p.read_text()[-2000:] for p in logs))
+
+
+@pytest.mark.sglang
+def test_agents_on_an_object_store_registry_roll_out_canary_first_and_survive_a_kill(rig, s3, tmp_path):  # noqa: F811
+    """One loop (this process) and one `loop agent` process per replica, sharing nothing but an S3 registry
+    (moto): a good version reaches the canary's agent first and the other replica only after the canary's
+    verdict; a version that fails the canary's probe is rolled back there and never reaches the other; an agent
+    killed with SIGKILL mid-swap and started again leaves its replica on the version the registry records;
+    clients sending greedy requests throughout see no failure and the draftless server's answers."""
+    import dataclasses
+
+    a, b = rig.a.url, rig.b.url
+    registry_url = f"s3://{new_bucket(s3, 'fleet')}/drafts"
+    config = dataclasses.replace(rig.config, registry=registry_url, replicas=[], agent_replicas=[a, b],
+                                 work_dir=str(tmp_path / "work"), regression_shards=str(rig.shards),
+                                 probe_tolerance=0.1, canary_wait_s=240.0)
+    logs = {url: tmp_path / f"agent-{name}.log" for url, name in ((a, "a"), (b, "b"))}
+    started = time.monotonic()
+    phase = lambda what: print(f"[{time.monotonic() - started:6.1f} s] {what}", flush=True)  # noqa: E731
+    with Loop(config, log_line=print) as loop:
+        assert loop.init(rig.trained) == "v0001"
+    phase("registry initialised")
+    reader = Registry(registry_url)
+    agents = {url: start_agent(rig, registry_url, url, logs[url]) for url in (a, b)}
+    failures: list[str] = []
+    answers: list[tuple[int, list[int]]] = []
+    stop = threading.Event()
+
+    def client() -> None:  # one thread, both replicas by turns: load without starving the agents' probes
+        index = 0
+        while not stop.is_set():
+            which, url = index % len(rig.prompts), (a, b)[index % 2]
+            try:
+                answers.append((which, generate(url, rig.prompts[which])["output_ids"]))
+            except Exception as error:  # noqa: BLE001 (every failure is counted)
+                failures.append(f"{url}: {error!r}")
+            index += 1
+
+    def serves(url: str, version: str):
+        record = reader.agent_replica(url) or {}
+        return record if record.get("version") == version else None
+
+    threads = [threading.Thread(target=client, daemon=True)]
+    try:
+        for url in (a, b):  # first contact: each agent puts v0001 in, its target checked
+            wait_for(lambda url=url: serves(url, "v0001"), f"{url} on v0001", logs=tuple(logs.values()))
+        assert all(next(e for e in reader.agent_events(url) if e["kind"] == "swapped")["target_checked"]
+                   for url in (a, b))
+        phase("both replicas on v0001")
+        for thread in threads:
+            thread.start()
+        scaled = edited_copy(rig.trained, tmp_path / "scaled", lambda t: t.__setitem__("fc.weight", t["fc.weight"] * 1.01))
+        with Loop(config, log_line=print) as loop:
+            good = loop.registry.add_version(scaled, parent="v0001", made={"how": "fc scaled by 1.01"}).name
+            loop.registry.set_version_info(good, probe=loop.simulate_probe(loop.registry.local_copy(good)))
+            phase("good version stored")
+            result = loop.promote(good)
+            phase("good version promoted")
+            assert result["state"] == "promoted" and result["canary"] == a, result
+            # a version that serves worse than it claims fails the canary's probe
+            probe = [prompt.input_ids for prompt in loop.probe_prompts()]
+            bad = loop.registry.add_version(rig.untrained, parent=good, made={"how": "untrained, claims more"}).name
+            loop.registry.set_version_info(bad, probe={"served_walk": served_acceptance(a, probe), "num_steps": 3,
+                                                       "max_new_tokens": MAX_NEW_TOKENS})
+            wait_for(lambda: serves(b, good), f"{b} on {good}", logs=tuple(logs.values()))
+            phase("b on the good version")
+            failed = loop.promote(bad)
+            phase("bad version rolled back")
+        assert failed["state"] == "rolled_back" and failed["canary"] == a and "below" in failed["why"], failed
+        events = list(reader.events())
+        promoted_at = next(e["at"] for e in events if e["kind"] == "promoted" and e["version"] == good)
+        b_swaps = [e for e in reader.agent_events(b) if e["kind"] == "swapped" and e["version"] == good]
+        a_swaps = [e for e in reader.agent_events(a) if e["kind"] == "swapped" and e["version"] == good]
+        assert len(a_swaps) == len(b_swaps) == 1 and a_swaps[0]["at"] < promoted_at < b_swaps[0]["at"]
+        assert not a_swaps[0]["target_checked"] and not b_swaps[0]["target_checked"]
+        assert serves(a, good)["failed_version"] == bad and serves(b, good).get("failed_version") is None
+        assert not [e for e in reader.agent_events(b) if e.get("version") == bad]  # never reached b
+        assert checksum(a) == checksum(b) == serves(a, good)["draft_checksum"]
+
+        # Kill b's agent between its swap and its record of it, then start it again.
+        again = edited_copy(rig.trained, tmp_path / "again", lambda t: t.__setitem__("fc.weight", t["fc.weight"] * 0.99))
+        with Loop(config, log_line=print) as loop:
+            third = loop.registry.add_version(again, parent=good, made={"how": "fc scaled by 0.99"}).name
+            loop.registry.set_version_info(third, probe=loop.simulate_probe(loop.registry.local_copy(third)))
+            assert loop.promote(third)["state"] == "promoted"
+        recorded = serves(b, good)["draft_checksum"]
+        wait_for(lambda: checksum(b) != recorded, f"{b}'s draft to change", logs=(logs[b],))
+        phase("third version promoted, b swapping")
+        agents[b].send_signal(signal.SIGKILL)  # after SGLang took the tensors: maybe before continue_generation
+        agents[b].wait(timeout=30)
+        assert serves(b, good) is not None, "the agent was to be killed before it recorded the new version"
+        # What a kill inside the swap's pause leaves, made certain (the kill above may land just after it):
+        # generation paused, every request to b waiting, and a weight-update session open.
+        from eagle_tap.serve.http_api import post_json
+
+        post_json(f"{b}/pause_generation", {"mode": "in_place"})
+        post_json(f"{b}/begin_weight_update", {"selector": "draft"})
+        time.sleep(AGENT_LEASE_S + 0.5)  # its lease on the object store runs out
+        agents[b] = start_agent(rig, registry_url, b, logs[b])
+        record = wait_for(lambda: serves(b, third), f"{b} on {third} after the restart", logs=(logs[b],))
+        phase("b on the third version after its agent's restart")
+        assert checksum(b) == record["draft_checksum"] == checksum(a) == serves(a, third)["draft_checksum"]
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=120)
+        for process in agents.values():
+            process.terminate()
+            process.wait(timeout=30)
+    assert failures == [] and answers
+    assert all(output == rig.reference[which] for which, output in answers)
+    print(f"{len(answers)} requests while the agents swapped, none failed, every answer the draftless server's")
+    status = reader.state()
+    assert status["promoted"] == third and status["pending"] is None
+    assert status["versions"][bad]["state"] == "rolled_back"
+    with rig.loop() as loop:  # the local registry's replicas back on the version it records, for the next test
+        loop.bring_up_to_date()
 
 
 def loop_promote_args(rig, draft: Path, *more: str) -> list[str]:

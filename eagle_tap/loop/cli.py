@@ -1,4 +1,4 @@
-"""`eagle-tap loop init | run | promote | status`: the closed loop from captured traffic to the served draft."""
+"""`eagle-tap loop init | run | promote | agent | status`: the closed loop from captured traffic to the served draft."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ def _config(args: argparse.Namespace):
             overrides.append(f"{name}={json.dumps(value)}")
     if args.replica:
         overrides.append(f"replicas={json.dumps(args.replica)}")
+    if args.agent_replica:
+        overrides.append(f"agent_replicas={json.dumps(args.agent_replica)}")
     return load_config(LoopConfig, args.config, overrides)
 
 
@@ -64,6 +66,24 @@ def _promote(args: argparse.Namespace) -> int:
     return 0 if result["state"] == "promoted" else 1
 
 
+def _agent(args: argparse.Namespace) -> int:
+    from trainer.config_io import load_config
+
+    from eagle_tap.loop.agent import Agent, AgentConfig
+
+    overrides = list(args.set)
+    for name in ("registry", "regression_shards"):
+        value = getattr(args, name, None)
+        if value is not None:
+            overrides.append(f"{name}={json.dumps(value)}")
+    if args.replica:
+        overrides.append(f"replicas={json.dumps(args.replica)}")
+    config = load_config(AgentConfig, args.config, overrides)
+    with Agent(config, log_line=lambda line: print(line, flush=True)) as agent:
+        agent.run(max_ticks=args.max_ticks)
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -86,6 +106,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--registry", help="folder or s3:// prefix of the draft registry")
     parser.add_argument("--shards", help="the shard set the collectors write (folder or s3:// prefix)")
     parser.add_argument("--replica", action="append", default=[], help="base URL of a replica (repeat for each)")
+    parser.add_argument("--agent-replica", dest="agent_replica", action="append", default=[],
+                        help="base URL of a replica an agent keeps on its own host (`loop agent`; repeat for each)")
     parser.add_argument("--target", help="target model folder")
     parser.add_argument("--draft-config", dest="draft_config", help="the draft config (eagle-tap draft-config)")
     parser.add_argument("--vocab", help="the vocab mapping folder every version shares")
@@ -128,6 +150,22 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     promote.add_argument("--records", type=int, default=64,
                          help="judge on the newest N records of --shards (default 64)")
     promote.set_defaults(run=_promote)
+    agent = commands.add_parser(
+        "agent", help="keep this host's replicas on the version a loop elsewhere promotes (one per replica host)",
+        description="Runs beside the replicas of one host for a loop that lists them as agent_replicas: every "
+        "poll_s it reads the registry's state, swaps each replica to the version it must serve (the canary of a "
+        "promotion in progress first), verifies it (checksums, probe), rolls it back on failure, and writes what "
+        "each replica serves and its verdict to the registry's agents/ folder. Shares nothing with the loop but "
+        "the registry. See docs/loop.md.")
+    agent.add_argument("--config", help="TOML or JSON file of AgentConfig settings (eagle_tap/loop/agent.py)")
+    agent.add_argument("--registry", help="folder or s3:// prefix of the loop's draft registry")
+    agent.add_argument("--replica", action="append", default=[], help="base URL of a replica on this host (repeat)")
+    agent.add_argument("--regression-shards", dest="regression_shards",
+                       help="the loop's regression set (its first probe_records records are the probe prompts)")
+    agent.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="any other AgentConfig setting, e.g. --set poll_s=2")
+    agent.add_argument("--max-ticks", type=int, default=None, help="stop after N ticks (default: run until stopped)")
+    agent.set_defaults(run=_agent)
     status = commands.add_parser("status", help="versions, replicas, served acceptance over time, events")
     status.add_argument("--registry", required=True, help="folder or s3:// prefix of the draft registry")
     status.add_argument("--plot", help="also draw served acceptance over time into this PNG")

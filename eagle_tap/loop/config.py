@@ -18,6 +18,13 @@ class LoopConfig:
     """The shard set the collectors write (a folder or an s3:// prefix): where new records come from."""
     replicas: list[str] = dataclasses.field(default_factory=list)
     """Base URLs of the SGLang replicas serving the draft (on this host: see docs/loop.md)."""
+    agent_replicas: list[str] = dataclasses.field(default_factory=list)
+    """Base URLs of replicas kept by agents on their own hosts (`eagle-tap loop agent`) instead of by this
+    loop (then `replicas` stays empty): the loop names the canary in state.json, waits for its agent's
+    verdict, and promotes; the other agents follow the promoted version (docs/loop.md)."""
+    canary_wait_s: float = 600.0
+    """How long a promotion through agents waits for the canary's verdict before the tick goes on (the
+    promotion stays pending; the next tick waits again)."""
     target: str
     """Hugging Face folder of the target the replicas serve."""
     draft_config: str
@@ -86,6 +93,9 @@ class LoopConfig:
     """Seeds the replay draw, the data order and the draft's initialisation."""
 
     def __post_init__(self) -> None:
+        if self.replicas and self.agent_replicas:
+            raise ValueError("a loop keeps its replicas itself (replicas) or through agents (agent_replicas), "
+                             "not both: list each replica once, under the process that swaps it")
         if self.train_processes < 1 or self.batch_size % self.train_processes:
             raise ValueError(f"train_processes={self.train_processes} must be at least 1 and divide batch_size="
                              f"{self.batch_size}: each process reads batch_size / train_processes records of every "

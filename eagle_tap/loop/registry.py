@@ -9,6 +9,10 @@ Layout, in a folder or under an `s3://` prefix:
         version.json       written last: parent, sha256 and size of every file, how it was made, its eval
     events/000001.json ... one object per decision, in order (registered, gate, swap, rollback, ...)
     rounds/r0001.json      the records a round trained on, held out and replayed
+    agents/<replica>/      one per replica kept by an agent (`eagle-tap loop agent`), written only by it:
+        agent.lock         the agent that keeps this replica (one per replica)
+        replica.json       what the replica serves, its checksums, the last verdict (the agent's state.json)
+        events/000001.json what the agent did to it, in order
 
 What must hold:
 - a version exists only once its version.json is stored, and that is written after every one of its
@@ -20,7 +24,8 @@ What must hold:
   old or the new state, never a mix; every change of state is also an event;
 - one loop per registry: a local registry is locked with flock (released by the kernel when the loop
   dies, however it dies); an object-store registry holds a lease object renewed by the running loop and
-  taken over once it is older than its lease time.
+  taken over once it is older than its lease time. An agent locks its replica's agent.lock the same way;
+  the loop and the agents share nothing but these files, each written by one process only.
 """
 
 from __future__ import annotations
@@ -64,6 +69,12 @@ class RegistryLocked(RegistryError):
 
 def version_name(number: int) -> str:
     return f"v{number:04d}"
+
+
+def replica_key(url: str) -> str:
+    """The folder name of a replica under agents/: its URL with every run of other characters than letters and
+    digits made one `_` (http://10.0.0.5:30000 -> http_10_0_0_5_30000)."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", url).strip("_")
 
 
 class _Store:
@@ -161,15 +172,20 @@ class Registry:
             Path(os.environ.get("EAGLE_TAP_CACHE_DIR", Path.home() / ".cache" / "eagle-tap")) / "registry"
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache
         self._lock_file: Any = None
+        self._lock_name = LOCK_FILE
 
     # ----------------------------------------------------------------------------------------------- lock
-    def lock(self, *, lease_s: float = 120.0) -> None:
-        """Take the registry for this process; RegistryLocked names who holds it."""
+    def lock(self, *, lease_s: float = 120.0, name: str = LOCK_FILE) -> None:
+        """Take the registry for this process; RegistryLocked names who holds it. name: the lock taken (an agent
+        takes its replica's `agents/<replica>/agent.lock`, which lets it write that replica's files only)."""
         owner = {"host": socket.gethostname(), "pid": os.getpid(), "at": time.time()}
+        self._lock_name = name
+        what = "another loop" if name == LOCK_FILE else "another agent"
         if not self.store.remote:
             import fcntl
 
-            self._lock_file = open(self.store.root / LOCK_FILE, "a+")  # noqa: SIM115 (held until unlock)
+            (self.store.root / name).parent.mkdir(parents=True, exist_ok=True)
+            self._lock_file = open(self.store.root / name, "a+")  # noqa: SIM115 (held until unlock)
             try:
                 fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -177,44 +193,45 @@ class Registry:
                 holder = self._lock_file.read().strip()
                 self._lock_file.close()
                 self._lock_file = None
-                raise RegistryLocked(f"another loop runs on {self.url} ({holder or 'owner unknown'})") from None
+                raise RegistryLocked(f"{what} runs on {self.url}/{name} ({holder or 'owner unknown'})") from None
             self._lock_file.seek(0)
             self._lock_file.truncate()
             self._lock_file.write(json.dumps(owner) + "\n")
             self._lock_file.flush()
         else:
-            held = self.store.read(LOCK_FILE)
+            held = self.store.read(name)
             if held:
                 holder = json.loads(held)
                 if time.time() - float(holder.get("at", 0)) < float(holder.get("lease_s", lease_s)):
-                    raise RegistryLocked(f"another loop runs on {self.url} ({holder}); its lease ends "
+                    raise RegistryLocked(f"{what} runs on {self.url}/{name} ({holder}); its lease ends "
                                          f"{float(holder['at']) + float(holder.get('lease_s', lease_s)) - time.time():.0f} s "
                                          "after its last renewal")
             owner["lease_s"] = lease_s
             owner["token"] = os.urandom(8).hex()
-            self.store.write(LOCK_FILE, json.dumps(owner).encode())
-            if json.loads(self.store.read(LOCK_FILE) or b"{}").get("token") != owner["token"]:
-                raise RegistryLocked(f"another loop took {self.url} at the same moment")
+            self.store.write(name, json.dumps(owner).encode())
+            if json.loads(self.store.read(name) or b"{}").get("token") != owner["token"]:
+                raise RegistryLocked(f"{what} took {self.url}/{name} at the same moment")
             self._lock_file = owner
-        self.remove_partial_versions()
+        if name == LOCK_FILE:
+            self.remove_partial_versions()
 
     def renew(self) -> None:
         """Keep an object-store lease alive (a local flock needs nothing); call at least every lease/2."""
         if self.store.remote and isinstance(self._lock_file, dict):
-            held = json.loads(self.store.read(LOCK_FILE) or b"{}")
+            held = json.loads(self.store.read(self._lock_name) or b"{}")
             if held.get("token") != self._lock_file["token"]:
-                raise RegistryLocked(f"the lease on {self.url} was taken over by {held}")
+                raise RegistryLocked(f"the lease on {self.url}/{self._lock_name} was taken over by {held}")
             self._lock_file["at"] = time.time()
-            self.store.write(LOCK_FILE, json.dumps(self._lock_file).encode())
+            self.store.write(self._lock_name, json.dumps(self._lock_file).encode())
 
     def unlock(self) -> None:
         if self._lock_file is None:
             return
         if self.store.remote:
-            held = json.loads(self.store.read(LOCK_FILE) or b"{}")
+            held = json.loads(self.store.read(self._lock_name) or b"{}")
             if held.get("token") == self._lock_file["token"]:
                 with contextlib.suppress(Exception):
-                    self.store.fs.rm(self.store._path(LOCK_FILE))
+                    self.store.fs.rm(self.store._path(self._lock_name))
         else:
             self._lock_file.close()
         self._lock_file = None
@@ -226,9 +243,9 @@ class Registry:
     def __exit__(self, *exc_info: object) -> None:
         self.unlock()
 
-    def _require_lock(self) -> None:
-        if self._lock_file is None:
-            raise RegistryError(f"{self.url} is open for reading only; take the lock to change it")
+    def _require_lock(self, name: str = LOCK_FILE) -> None:
+        if self._lock_file is None or self._lock_name != name:
+            raise RegistryError(f"{self.url} is open for reading only; take the lock ({name}) to change it")
 
     # --------------------------------------------------------------------------------------------- versions
     def version_names(self) -> list[str]:
@@ -354,6 +371,47 @@ class Registry:
         for name in self.store.names("events"):
             if name.endswith(".json") and int(name.split(".")[0]) > since:
                 data = self.store.read(f"events/{name}")
+                if data:
+                    yield json.loads(data)
+
+    # ----------------------------------------------------------------------------------------------- agents
+    def agent_replicas(self) -> dict[str, dict[str, Any]]:
+        """url -> replica.json of every replica an agent keeps (read by the loop and `loop status`, no lock)."""
+        out = {}
+        for key in self.store.names("agents"):
+            data = self.store.read(f"agents/{key}/replica.json")
+            if data:
+                record = json.loads(data)
+                out[record["url"]] = record
+        return out
+
+    def agent_replica(self, url: str) -> dict[str, Any] | None:
+        data = self.store.read(f"agents/{replica_key(url)}/replica.json")
+        return json.loads(data) if data else None
+
+    def agent_lock_name(self, url: str) -> str:
+        return f"agents/{replica_key(url)}/agent.lock"
+
+    def write_agent_replica(self, url: str, record: dict[str, Any]) -> None:
+        """Replace url's replica.json whole (only the agent holding url's agent.lock)."""
+        self._require_lock(self.agent_lock_name(url))
+        self.store.write(f"agents/{replica_key(url)}/replica.json",
+                         json.dumps({**record, "url": url, "at": time.time()}, indent=2, default=str).encode())
+
+    def agent_event(self, url: str, kind: str, **details: Any) -> dict[str, Any]:
+        """What an agent did to url, numbered in agents/<replica>/events/ (only that agent writes there)."""
+        self._require_lock(self.agent_lock_name(url))
+        folder = f"agents/{replica_key(url)}/events"
+        numbers = [int(name.split(".")[0]) for name in self.store.names(folder) if name.endswith(".json")]
+        record = {"event": max(numbers, default=0) + 1, "at": time.time(), "kind": kind, "replica": url, **details}
+        self.store.write(f"{folder}/{record['event']:06d}.json", json.dumps(record, default=str).encode())
+        return record
+
+    def agent_events(self, url: str, *, since: int = 0) -> Iterator[dict[str, Any]]:
+        folder = f"agents/{replica_key(url)}/events"
+        for name in self.store.names(folder):
+            if name.endswith(".json") and int(name.split(".")[0]) > since:
+                data = self.store.read(f"{folder}/{name}")
                 if data:
                     yield json.loads(data)
 

@@ -174,3 +174,24 @@ def draft_checksum(url: str) -> str:
         return weights_checksum(url, "draft")
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
         raise ReplicaDown(f"{url}: {error}") from None
+
+
+def release(url: str, timeout_s: float = 30.0) -> bool:
+    """End what a process killed in the middle of a swap may have left on the replica: a weight-update session
+    open (SGLang would refuse the next `begin_weight_update`) and generation paused (every request would wait,
+    /health too). Harmless on a replica left as it should be: SGLang answers that no session is open, and
+    `continue_generation` on a running replica changes nothing. Only the one process that keeps a replica may
+    call it (a loop, or the agent holding its agent.lock). False when the replica did not answer."""
+    from eagle_tap.serve.http_api import post_json
+
+    try:
+        post_json(f"{url}/end_weight_update", {}, timeout_s=timeout_s)
+    except urllib.error.HTTPError:
+        pass  # no session was open: SGLang answers 400
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+    try:
+        post_json(f"{url}/continue_generation", {}, timeout_s=timeout_s)
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+    return True

@@ -33,24 +33,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle_tap.loop import evaluation, rounds, watch
 from eagle_tap.loop import replicas as rep
+from eagle_tap.loop import rounds, watch
 from eagle_tap.loop.config import LoopConfig
 from eagle_tap.loop.registry import Registry, RegistryError
 from eagle_tap.loop.state import LoopState
-from eagle_tap.serve.swap import swap_draft
+from eagle_tap.loop.sync import ReplicaKeeper, recorded_checksum
 
 __all__ = ["Loop", "LoopConfig", "recorded_checksum"]
 
 log = logging.getLogger(__name__)
 
 
-def recorded_checksum(state: dict[str, Any], version: str, weights_key: str) -> str | None:
-    """SGLang's draft checksum of version on a replica of weights_key (dtype/TP), once a verified swap recorded it."""
-    return (state.get("checksums", {}).get(version) or {}).get(weights_key)
-
-
-class Loop(LoopState):
+class Loop(LoopState, ReplicaKeeper):
     """One loop on one registry (holds its lock while open): its state (rounds and watch read and change it) and
     what it does to replicas."""
 
@@ -138,143 +133,33 @@ class Loop(LoopState):
             stop.wait(self.config.poll_s)
 
     # ---------------------------------------------------------------------------------------- replicas
-    def desired_version(self, state: dict[str, Any], url: str) -> str | None:
-        """The promoted version; for a replica where it failed verification, what that replica kept (None: the
-        weights it was started with, which the registry does not hold) until a newer version is promoted."""
-        record = state["replicas"].get(url) or {}
-        if record.get("failed_version") and record["failed_version"] == state["promoted"]:
-            return record.get("version")
-        return state["promoted"]
+    # ReplicaKeeper's hooks (eagle_tap/loop/sync.py): the loop keeps `replicas` itself, recorded in state.json.
+    def kept_replicas(self) -> list[str]:
+        return list(self.config.replicas)
 
-    def bring_up_to_date(self) -> dict[str, Any]:
-        """Step 1 of a tick for every replica: {url: what happened}."""
-        out = {}
-        for url in self.config.replicas:
-            state = self.registry.state()
-            record = state["replicas"].get(url) or {}
-            desired = self.desired_version(state, url)
-            if desired is None:
-                out[url] = (f"keeps the weights it started with: {state['promoted']} failed verification there"
-                            if state["promoted"] else "no promoted version")
-                continue
-            if not rep.is_up(url):
-                if not record.get("down"):
-                    self.registry.event("replica_down", replica=url, version=record.get("version"))
-                    self._set_replica(url, down=True, target_checksum=None)  # it may come back another process
-                out[url] = "down"
-                continue
-            try:
-                checksum = rep.draft_checksum(url)
-            except rep.ReplicaDown:
-                out[url] = "down"
-                continue
-            if record.get("down"):
-                self.registry.event("replica_back", replica=url)
-                self._set_replica(url, down=False)
-            if record.get("version") == desired and record.get("draft_checksum") == checksum:
-                out[url] = f"serves {desired}"
-                continue
-            why = ("first contact" if not record else "its draft checksum is not the one recorded for "
-                   f"{record.get('version')} (restarted, or swapped outside the loop)" if record.get("version") == desired
-                   else f"it serves {record.get('version')}, the registry promoted {desired}")
-            self.say(f"{url}: bringing it to {desired}: {why}")
-            # Met for the first time or restarted (its draft is not the one recorded): the swap checks the target
-            # too; otherwise as swap_and_verify decides (a draft swap cannot change the target, so a replica whose
-            # target checksum the registry holds skips that stall of its scheduler).
-            restarted = not record or record.get("version") == desired
-            outcome = self.swap_and_verify(url, desired, previous=record.get("version"), why=why,
-                                           check_target=True if restarted else None)
-            out[url] = outcome["result"]
-        return out
+    def replica_record(self, state: dict[str, Any], url: str) -> dict[str, Any]:
+        return state["replicas"].get(url) or {}
 
-    def _set_replica(self, url: str, **fields: Any) -> None:
+    def set_replica(self, url: str, **fields: Any) -> None:
         def change(state: dict[str, Any]) -> None:
             state["replicas"][url] = {**state["replicas"].get(url, {}), **fields, "at": time.time()}
 
         self.registry.update_state(change)
 
-    def swap_and_verify(self, url: str, version: str, *, previous: str | None, why: str,
-                        check_target: bool | None = None) -> dict[str, Any]:
-        """Swap version into url, verify, and swap previous back on failure; records everything. check_target:
-        take the target's checksum around the swap (None: when the registry holds none for url yet, or holds
-        it as down), recorded as the replica's `target_checksum`."""
-        state = self.registry.state()
-        if check_target is None:
-            record = state["replicas"].get(url) or {}
-            check_target = not record.get("target_checksum") or bool(record.get("down"))
-        info = self.registry.version(version).info
-        try:
-            version_dir = self.registry.local_copy(version)
-            reference = self.registry.local_copy(previous) if previous else version_dir
-            replica, _ = rep.prepare_swap(url, version_dir, reference_dir=reference)
-        except rep.ReplicaDown as error:
-            self.registry.event("replica_down", replica=url, version=version, why=str(error))
-            self._set_replica(url, down=True)
-            return {"result": "down", "why": str(error)}
-        except (ValueError, RegistryError) as error:  # refused before the replica was touched
-            self.registry.event("swap_refused", replica=url, version=version, why=str(error))
-            return {"result": "refused", "why": str(error)}
-        started = time.perf_counter()
-        try:
-            result = swap_draft(url, version_dir, serving_dir=None, check_target=check_target,  # prepare_swap checked
-                                num_ranks=replica.tp_size)
-        except (RuntimeError, OSError, ValueError) as error:  # touched: SGLang refused, or the replica went away
-            why = f"the swap failed: {type(error).__name__}: {error}"[:2000]
-            self.registry.event("swap_failed", replica=url, version=version, why=why)
-            try:
-                back = self.roll_back(url, previous, failed=version, why=why)
-            except (RuntimeError, OSError, ValueError) as again:  # the next tick compares its checksum again
-                self._set_replica(url, down=True)
-                back = {"result": f"could not roll back: {type(again).__name__}: {again}"[:500]}
-            return {"result": "rolled back", "why": why, "rollback": back}
-        wall_s = time.perf_counter() - started
-        known = recorded_checksum(state, version, replica.weights_key)
-        probe = info.get("probe") or {}
-        verification = rep.verify(url, result, known_checksum=known, probe_prompts=self.probe_prompts(),
-                                  probe_max_new_tokens=self.config.probe_max_new_tokens,
-                                  simulated=probe.get("served_walk"), tolerance=self.config.probe_tolerance)
-        swap_figures = {"paused_s": result.paused_s, "wall_s": wall_s, "num_tensors": result.num_tensors,
-                        "draft_checksum": result.draft_checksum_after, "target_checked": result.target_checked,
-                        "probe": verification.probe}
-        recorded_target = (state["replicas"].get(url) or {}).get("target_checksum")
-        if result.target_checked and recorded_target and recorded_target != result.target_checksum_before:
-            self.registry.event("target_changed", replica=url, recorded=recorded_target,
-                                now=result.target_checksum_before)
-        if verification.ok:
-            def change(doc: dict[str, Any]) -> None:
-                kept = (doc["replicas"].get(url) or {}).get("target_checksum")
-                doc["replicas"][url] = {"version": version, "draft_checksum": result.draft_checksum_after,
-                                        "target_checksum": result.target_checksum_after or kept,
-                                        "weights_key": replica.weights_key, "at": time.time(), "down": False}
-                doc.setdefault("checksums", {}).setdefault(version, {})[replica.weights_key] = \
-                    result.draft_checksum_after
+    def store_verified(self, url: str, record: dict[str, Any], version: str, weights_key: str) -> None:
+        def change(doc: dict[str, Any]) -> None:
+            doc["replicas"][url] = {**record, "at": time.time()}
+            doc.setdefault("checksums", {}).setdefault(version, {})[weights_key] = record["draft_checksum"]
 
-            self.registry.update_state(change)
-            self.registry.event("swapped", replica=url, version=version, previous=previous, why=why,
-                                verification=verification.why, **swap_figures)
-            return {"result": f"serves {version}", **swap_figures}
-        self.registry.event("verification_failed", replica=url, version=version, why=verification.why, **swap_figures)
-        back = self.roll_back(url, previous, failed=version, why=verification.why)
-        return {"result": "rolled back", "why": verification.why, "rollback": back, **swap_figures}
+        self.registry.update_state(change)
 
-    def roll_back(self, url: str, previous: str | None, *, failed: str, why: str) -> dict[str, Any]:
-        """Put previous back into url (checked against its recorded checksum there)."""
-        if previous is None:
-            self._set_replica(url, version=None, failed_version=failed, why=why)
-            return {"result": "no previous version to return to"}
-        state = self.registry.state()
-        version_dir = self.registry.local_copy(previous)
-        replica, result, wall_s = rep.swap_in(url, version_dir, reference_dir=version_dir)
-        expected = recorded_checksum(state, previous, replica.weights_key)
-        restored = expected is None or result.draft_checksum_after == expected
-        self._set_replica(url, version=previous, draft_checksum=result.draft_checksum_after,
-                          weights_key=replica.weights_key, failed_version=failed, why=why)
-        self.registry.event("rolled_back_replica", replica=url, version=previous, failed_version=failed,
-                            restored_checksum=restored, paused_s=result.paused_s, wall_s=wall_s)
-        return {"result": f"serves {previous}", "restored_checksum": restored, "paused_s": result.paused_s}
+    def note(self, kind: str, url: str, **details: Any) -> None:
+        self.registry.event(kind, replica=url, **details)
 
     def promote(self, version: str) -> dict[str, Any]:
         """Canary first, then the rest (module docstring)."""
+        if self.config.agent_replicas:
+            return self.promote_through_agents(version)
         state = self.registry.state()
         previous = state["pending"]["from"] if state.get("pending") else state["promoted"]
 
@@ -291,7 +176,7 @@ class Loop(LoopState):
                 outcomes[url] = {"result": "down"}
                 if not record.get("down"):
                     self.registry.event("replica_down", replica=url, version=record.get("version"))
-                    self._set_replica(url, down=True, target_checksum=None)  # it may come back another process
+                    self.set_replica(url, down=True, target_checksum=None)  # it may come back another process
                 continue
             outcome = self.swap_and_verify(url, version, previous=record.get("version") or previous,
                                            why="promotion" + ("" if canary_done else " (canary)"))
@@ -310,13 +195,58 @@ class Loop(LoopState):
         self._finish_promotion(version, "promoted", "verified on the canary")
         return {"version": version, "state": "promoted", "replicas": outcomes}
 
+    def promote_through_agents(self, version: str) -> dict[str, Any]:
+        """Canary first across hosts: the first agent replica that its agent reports up is named the canary in
+        state.json's `pending`; its agent swaps and verifies it (eagle_tap/loop/agent.py) and writes its verdict
+        in agents/<replica>/replica.json. Verified: the version is promoted, and every other agent brings its
+        replicas to it. Failed (the agent put the previous version back) or refused: the version is marked
+        rolled back or rejected, and no other agent was ever asked for it. No verdict within canary_wait_s (or
+        no canary up): the promotion stays pending, and the next tick waits again."""
+        state = self.registry.state()
+        pending = state.get("pending") or {}
+        previous = pending.get("from") if pending.get("to") == version else state["promoted"]
+        agents = self.registry.agent_replicas()
+        canary = pending.get("canary") if pending.get("to") == version else None
+        if canary is None or (agents.get(canary) or {}).get("down"):
+            canary = next((url for url in self.config.agent_replicas
+                           if url in agents and not agents[url].get("down")), None)
+        if canary is None:
+            self.registry.update_state(lambda doc: doc.__setitem__(
+                "pending", {"to": version, "from": previous, "at": time.time(), "canary": None}))
+            self.registry.set_version_state(version, "promoting", "passed the gate; no agent reports a replica up")
+            return {"version": version, "state": "promoting", "why": "no agent reports a replica up", "replicas": {}}
+        if pending.get("to") != version or pending.get("canary") != canary:
+            self.registry.update_state(lambda doc: doc.__setitem__(
+                "pending", {"to": version, "from": previous, "at": time.time(), "canary": canary}))
+            self.registry.event("canary", version=version, replica=canary)
+        if (state["versions"].get(version) or {}).get("state") != "promoting":
+            self.registry.set_version_state(version, "promoting", f"passed the gate; canary {canary}")
+        self.say(f"{version}: waiting for the canary {canary}'s agent")
+        deadline = time.monotonic() + self.config.canary_wait_s
+        while True:
+            record = self.registry.agent_replica(canary) or {}
+            verdict = record.get("verdict") or {}
+            if verdict.get("version") == version and verdict.get("ok") and record.get("version") == version:
+                def accept(doc: dict[str, Any]) -> None:
+                    doc.setdefault("checksums", {}).setdefault(version, {})[record["weights_key"]] = \
+                        record["draft_checksum"]
+
+                self.registry.update_state(accept)
+                self._finish_promotion(version, "promoted", f"verified on the canary {canary} by its agent")
+                return {"version": version, "state": "promoted", "canary": canary, "replicas": {canary: record}}
+            if verdict.get("version") == version and not verdict.get("ok"):
+                refused = bool(verdict.get("refused"))
+                why = (f"{'refused before' if refused else 'verification failed on'} the canary {canary}: "
+                       f"{verdict.get('why')}")
+                self._finish_promotion(version, "rejected" if refused else "rolled_back", why)
+                return {"version": version, "state": "rejected" if refused else "rolled_back", "why": why,
+                        "canary": canary, "replicas": {canary: record}}
+            if time.monotonic() > deadline:
+                return {"version": version, "state": "promoting", "canary": canary,
+                        "why": f"no verdict from the canary {canary}'s agent within {self.config.canary_wait_s:g} s"}
+            self.registry.renew()
+            time.sleep(min(1.0, max(0.05, self.config.poll_s)))
+
     def _finish_promotion(self, version: str, new_state: str, why: str) -> None:
         self.registry.set_version_state(version, new_state, why)
         self.registry.update_state(lambda doc: doc.__setitem__("pending", None))
-
-    # ---------------------------------------------------------------------------------------------- probe
-    def probe_prompts(self):
-        return evaluation.probe_prompts(self)
-
-    def simulate_probe(self, draft_dir: Path) -> dict[str, Any] | None:
-        return evaluation.simulate_probe(self, draft_dir)

@@ -45,7 +45,9 @@ def collect(registry: Registry) -> dict[str, Any]:
             "probe_simulated": (info.get("probe") or {}).get("served_walk")})
     events = list(registry.events())
     return {"registry": registry.url, "promoted": state["promoted"], "pending": state.get("pending"),
-            "versions": versions, "replicas": state["replicas"],
+            "versions": versions,
+            "replicas": {**state["replicas"],
+                         **{url: {**record, "agent": True} for url, record in registry.agent_replicas().items()}},
             "windows": [event for event in events if event["kind"] == "window"],
             "swaps": [event for event in events if event["kind"] in ("swapped", "verification_failed",
                                                                      "rolled_back_replica")],
