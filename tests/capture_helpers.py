@@ -54,13 +54,13 @@ def read_stats(spool_dir: Path, rank_dir: str = "dp0") -> dict:
     return read_stats_file(spool_dir / rank_dir / "stats.json")
 
 
-def wait_for(predicate, timeout_s: float = 60.0, what: str = "condition"):
+def wait_for(predicate, timeout_s: float = 60.0, what: str = "condition", poll_s: float = 0.2):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(0.2)
+        time.sleep(poll_s)
     raise AssertionError(f"timed out waiting for {what}")
 
 

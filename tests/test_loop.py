@@ -562,14 +562,15 @@ def start_agent(rig, registry: str, url: str, log_path: Path) -> subprocess.Pope
 AGENT_LEASE_S = 4.0
 
 
-def wait_for(condition, what: str, timeout_s: float = 240.0, logs: tuple[Path, ...] = ()):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}\n" + "\n".join(p.read_text()[-2000:] for p in logs))
+def wait_for(condition, what: str, logs: tuple[Path, ...] = ()):
+    """capture_helpers.wait_for, polling fast enough to catch an agent between its swap and its record of it;
+    on a timeout, with the end of the agents' logs."""
+    import capture_helpers
+
+    try:
+        return capture_helpers.wait_for(condition, timeout_s=240.0, what=what, poll_s=0.05)
+    except AssertionError as error:
+        raise AssertionError("\n".join([str(error), *(path.read_text()[-2000:] for path in logs)])) from None
 
 
 @pytest.mark.sglang

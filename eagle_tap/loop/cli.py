@@ -8,21 +8,25 @@ import json
 __all__ = ["add_commands"]
 
 
+def _overrides(args: argparse.Namespace, names: tuple[str, ...], lists: dict[str, str]) -> list[str]:
+    """`--set` and the flags given, as the KEY=VALUE overrides of a settings file: names are flags kept under
+    their own name, lists map a setting to the repeated flag that fills it."""
+    overrides = list(args.set)
+    for name in names:
+        if getattr(args, name, None) is not None:
+            overrides.append(f"{name}={json.dumps(getattr(args, name))}")
+    overrides += [f"{key}={json.dumps(getattr(args, flag))}" for key, flag in lists.items() if getattr(args, flag)]
+    return overrides
+
+
 def _config(args: argparse.Namespace):
     from trainer.config_io import load_config
 
     from eagle_tap.loop.config import LoopConfig
 
-    overrides = list(args.set)
-    for name in ("registry", "shards", "target", "draft_config", "vocab", "work_dir", "regression_shards"):
-        value = getattr(args, name, None)
-        if value is not None:
-            overrides.append(f"{name}={json.dumps(value)}")
-    if args.replica:
-        overrides.append(f"replicas={json.dumps(args.replica)}")
-    if args.agent_replica:
-        overrides.append(f"agent_replicas={json.dumps(args.agent_replica)}")
-    return load_config(LoopConfig, args.config, overrides)
+    return load_config(LoopConfig, args.config, _overrides(
+        args, ("registry", "shards", "target", "draft_config", "vocab", "work_dir", "regression_shards"),
+        {"replicas": "replica", "agent_replicas": "agent_replica"}))
 
 
 def _init(args: argparse.Namespace) -> int:
@@ -71,14 +75,8 @@ def _agent(args: argparse.Namespace) -> int:
 
     from eagle_tap.loop.agent import Agent, AgentConfig
 
-    overrides = list(args.set)
-    for name in ("registry", "regression_shards"):
-        value = getattr(args, name, None)
-        if value is not None:
-            overrides.append(f"{name}={json.dumps(value)}")
-    if args.replica:
-        overrides.append(f"replicas={json.dumps(args.replica)}")
-    config = load_config(AgentConfig, args.config, overrides)
+    config = load_config(AgentConfig, args.config,
+                         _overrides(args, ("registry", "regression_shards"), {"replicas": "replica"}))
     with Agent(config, log_line=lambda line: print(line, flush=True)) as agent:
         agent.run(max_ticks=args.max_ticks)
     return 0
