@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
-from pathlib import Path
 from typing import Any
 
-from eagle_tap.loop.registry import Registry, replica_key
+from eagle_tap.loop.registry import Registry, replica_key, user_cache_dir
 from eagle_tap.loop.sync import ReplicaKeeper, failed_rule
 
 __all__ = ["Agent", "AgentConfig"]
@@ -71,9 +69,8 @@ class Agent(ReplicaKeeper):
         self.config = config
         self.say = log_line
         self.probe_prompt_cache: list | None = None
-        cache = config.cache_dir or (None if not config.registry.startswith("s3://") else os.path.join(
-            os.environ.get("EAGLE_TAP_CACHE_DIR", Path.home() / ".cache" / "eagle-tap"), "agents",
-            replica_key(config.replicas[0])))
+        # Its own cache folder (used for an object-store registry only): agents on one host never write one file.
+        cache = config.cache_dir or user_cache_dir() / "agents" / replica_key(config.replicas[0])
         # One Registry per replica, each holding that replica's agent.lock (a Registry holds one lock).
         self.registries = {url: Registry(config.registry, cache_dir=cache, create=False) for url in config.replicas}
         self.registry = self.registries[config.replicas[0]]

@@ -54,17 +54,18 @@ def promote_hand_trained(loop: Any, draft_dir: str | Path, *, force: bool = Fals
     loop.say(f"judging {draft_dir} against {promoted} on the newest {len(record_ids)} records of {config.shards}")
     evaluation = judge(loop, draft_dir, promoted_dir, record_ids)
     passed, why = evaluation["gate"]["passed"], evaluation["gate"]["why"]
-    evaluation["gate"].update(forced=force and not passed,
+    forced = force and not passed
+    evaluation["gate"].update(forced=forced,
                               records="the newest of the shard set, not held out from a hand-trained draft")
     made = {"how": "hand-trained, registered by `eagle-tap loop promote`", "source": str(draft_dir),
-            "judged_on_records": len(record_ids), "forced": force and not passed}
+            "judged_on_records": len(record_ids), "forced": forced}
     version = registry.add_version(draft_dir, parent=promoted, made=made, evaluation=evaluation)
     registry.set_version_info(version.name, probe=loop.simulate_probe(draft_dir))
-    registry.event("gate", version=version.name, passed=passed, forced=force and not passed, why=why,
+    registry.event("gate", version=version.name, passed=passed, forced=forced, why=why,
                    hand_trained=str(draft_dir))
     if not passed and not force:
         registry.set_version_state(version.name, "rejected", why)
         loop.say(f"{version.name} ({draft_dir}) fails the gate: {why}")
         return {"version": version.name, "state": "rejected", "why": why, "evaluation": evaluation}
     loop.say(f"{version.name} ({draft_dir}) {'passes the gate' if passed else 'is forced past the gate'}: {why}")
-    return {**loop.promote(version.name), "evaluation": evaluation, "forced": force and not passed}
+    return {**loop.promote(version.name), "evaluation": evaluation, "forced": forced}

@@ -71,6 +71,12 @@ def version_name(number: int) -> str:
     return f"v{number:04d}"
 
 
+def user_cache_dir() -> Path:
+    """Where versions fetched from an object-store registry are kept on this host ($EAGLE_TAP_CACHE_DIR, or
+    ~/.cache/eagle-tap)."""
+    return Path(os.environ.get("EAGLE_TAP_CACHE_DIR", Path.home() / ".cache" / "eagle-tap"))
+
+
 def replica_key(url: str) -> str:
     """The folder name of a replica under agents/: its URL with every run of other characters than letters and
     digits made one `_` (http://10.0.0.5:30000 -> http_10_0_0_5_30000)."""
@@ -168,8 +174,7 @@ class Registry:
     def __init__(self, root: str | Path, *, cache_dir: str | Path | None = None, create: bool = True) -> None:
         self.url = str(root)
         self.store = _Store(root, create=create)
-        default_cache = Path(self.url) / ".local" if not self.store.remote else \
-            Path(os.environ.get("EAGLE_TAP_CACHE_DIR", Path.home() / ".cache" / "eagle-tap")) / "registry"
+        default_cache = Path(self.url) / ".local" if not self.store.remote else user_cache_dir() / "registry"
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache
         self._lock_file: Any = None
         self._lock_name = LOCK_FILE
@@ -361,16 +366,22 @@ class Registry:
     def event(self, kind: str, **details: Any) -> dict[str, Any]:
         """Write one decision down, numbered after the last one in events/ (only the lock holder writes)."""
         self._require_lock()
-        numbers = [int(name.split(".")[0]) for name in self.store.names("events") if name.endswith(".json")]
-        number = max(numbers, default=0) + 1
-        record = {"event": number, "at": time.time(), "kind": kind, **details}
-        self.store.write(f"events/{number:06d}.json", json.dumps(record, default=str).encode())
-        return record
+        return self._append_event("events", {"kind": kind, **details})
 
     def events(self, *, since: int = 0) -> Iterator[dict[str, Any]]:
-        for name in self.store.names("events"):
+        return self._read_events("events", since)
+
+    def _append_event(self, folder: str, fields: dict[str, Any]) -> dict[str, Any]:
+        """The next numbered event in folder (one writer per folder: the loop's events/, an agent's own)."""
+        numbers = [int(name.split(".")[0]) for name in self.store.names(folder) if name.endswith(".json")]
+        record = {"event": max(numbers, default=0) + 1, "at": time.time(), **fields}
+        self.store.write(f"{folder}/{record['event']:06d}.json", json.dumps(record, default=str).encode())
+        return record
+
+    def _read_events(self, folder: str, since: int) -> Iterator[dict[str, Any]]:
+        for name in self.store.names(folder):
             if name.endswith(".json") and int(name.split(".")[0]) > since:
-                data = self.store.read(f"events/{name}")
+                data = self.store.read(f"{folder}/{name}")
                 if data:
                     yield json.loads(data)
 
@@ -401,19 +412,10 @@ class Registry:
     def agent_event(self, url: str, kind: str, **details: Any) -> dict[str, Any]:
         """What an agent did to url, numbered in agents/<replica>/events/ (only that agent writes there)."""
         self._require_lock(self.agent_lock_name(url))
-        folder = f"agents/{replica_key(url)}/events"
-        numbers = [int(name.split(".")[0]) for name in self.store.names(folder) if name.endswith(".json")]
-        record = {"event": max(numbers, default=0) + 1, "at": time.time(), "kind": kind, "replica": url, **details}
-        self.store.write(f"{folder}/{record['event']:06d}.json", json.dumps(record, default=str).encode())
-        return record
+        return self._append_event(f"agents/{replica_key(url)}/events", {"kind": kind, "replica": url, **details})
 
     def agent_events(self, url: str, *, since: int = 0) -> Iterator[dict[str, Any]]:
-        folder = f"agents/{replica_key(url)}/events"
-        for name in self.store.names(folder):
-            if name.endswith(".json") and int(name.split(".")[0]) > since:
-                data = self.store.read(f"{folder}/{name}")
-                if data:
-                    yield json.loads(data)
+        return self._read_events(f"agents/{replica_key(url)}/events", since)
 
     # ----------------------------------------------------------------------------------------------- rounds
     def round_names(self) -> list[str]:

@@ -31,7 +31,7 @@ from typing import Any
 from eagle_tap.serve.draft import DraftMismatchError
 from eagle_tap.serve.evaluate import Prompt
 from eagle_tap.serve.swap import SwapResult, swap_draft
-from eagle_tap.serve.http_api import weights_checksum
+from eagle_tap.serve.http_api import post_json, weights_checksum
 from trainer.draft_fit import check_draft_fits, in_place_of
 
 
@@ -182,8 +182,6 @@ def release(url: str, timeout_s: float = 30.0) -> bool:
     /health too). Harmless on a replica left as it should be: SGLang answers that no session is open, and
     `continue_generation` on a running replica changes nothing. Only the one process that keeps a replica may
     call it (a loop, or the agent holding its agent.lock). False when the replica did not answer."""
-    from eagle_tap.serve.http_api import post_json
-
     try:
         post_json(f"{url}/end_weight_update", {}, timeout_s=timeout_s)
     except urllib.error.HTTPError:

@@ -33,14 +33,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eagle_tap.loop import evaluation, rounds, watch
 from eagle_tap.loop import replicas as rep
-from eagle_tap.loop import rounds, watch
 from eagle_tap.loop.config import LoopConfig
 from eagle_tap.loop.registry import Registry, RegistryError
 from eagle_tap.loop.state import LoopState
-from eagle_tap.loop.sync import ReplicaKeeper, recorded_checksum
+from eagle_tap.loop.sync import ReplicaKeeper
 
-__all__ = ["Loop", "LoopConfig", "recorded_checksum"]
+__all__ = ["Loop", "LoopConfig"]
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class Loop(LoopState, ReplicaKeeper):
             if not rep.is_up(url):
                 outcomes[url] = {"result": "down"}
                 if not record.get("down"):
-                    self.registry.event("replica_down", replica=url, version=record.get("version"))
+                    self.note("replica_down", url, version=record.get("version"))
                     self.set_replica(url, down=True, target_checksum=None)  # it may come back another process
                 continue
             outcome = self.swap_and_verify(url, version, previous=record.get("version") or previous,
@@ -222,7 +222,8 @@ class Loop(LoopState, ReplicaKeeper):
         if (state["versions"].get(version) or {}).get("state") != "promoting":
             self.registry.set_version_state(version, "promoting", f"passed the gate; canary {canary}")
         self.say(f"{version}: waiting for the canary {canary}'s agent")
-        deadline = time.monotonic() + self.config.canary_wait_s
+        deadline = renewed = time.monotonic()
+        deadline += self.config.canary_wait_s
         while True:
             record = self.registry.agent_replica(canary) or {}
             verdict = record.get("verdict") or {}
@@ -244,9 +245,15 @@ class Loop(LoopState, ReplicaKeeper):
             if time.monotonic() > deadline:
                 return {"version": version, "state": "promoting", "canary": canary,
                         "why": f"no verdict from the canary {canary}'s agent within {self.config.canary_wait_s:g} s"}
-            self.registry.renew()
+            if time.monotonic() - renewed > 10.0:  # the lease (120 s) wants a renewal well inside it, not each poll
+                self.registry.renew()
+                renewed = time.monotonic()
             time.sleep(min(1.0, max(0.05, self.config.poll_s)))
 
     def _finish_promotion(self, version: str, new_state: str, why: str) -> None:
         self.registry.set_version_state(version, new_state, why)
         self.registry.update_state(lambda doc: doc.__setitem__("pending", None))
+
+    # ---------------------------------------------------------------------------------------------- probe
+    def simulate_probe(self, draft_dir: Path) -> dict[str, Any] | None:
+        return evaluation.simulate_probe(self, draft_dir)

@@ -19,7 +19,6 @@ probes from the registry.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from eagle_tap.loop import evaluation
@@ -200,6 +199,3 @@ class ReplicaKeeper:
     # ---------------------------------------------------------------------------------------------- probe
     def probe_prompts(self):
         return evaluation.probe_prompts(self)
-
-    def simulate_probe(self, draft_dir: Path) -> dict[str, Any] | None:
-        return evaluation.simulate_probe(self, draft_dir)
