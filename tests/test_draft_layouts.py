@@ -20,6 +20,7 @@ pytestmark = pytest.mark.sglang
 def test_llama_and_mla_drafts_trained_on_the_same_records_serve_the_targets_greedy_answers(bench, tmp_path):
     config = bench.Config.quick()
     config.dtype, config.work_dir = "float32", str(tmp_path)
+    config.train_steps = 200  # 60 (the bench's quick size) leaves image requests near no acceptance at all
     result = draft_layouts.run(config)
     rows = {row["item"]: row for row in result["rows"]}
     print({item: {key: value for key, value in row.items() if key != "mismatches"} for item, row in rows.items()})
@@ -33,8 +34,13 @@ def test_llama_and_mla_drafts_trained_on_the_same_records_serve_the_targets_gree
         # Speculative decoding never changes a greedy fp32 answer, whichever layout drafts it, image or not.
         num_identical, num_prompts = map(int, row["identical"].split("/"))
         assert num_prompts >= 2 and num_identical == num_prompts, (item, row["mismatches"])
+        # The drafts learned the held-out conversations (every position of their records, a few hundred; 1.36-2.45
+        # seen at 200 steps, an untrained draft about 1.0).
+        assert row["simulated"] > 1.1, (item, row)
         # SGLang's acceptance follows the trainer's simulated walk of the same draft on the same conversations: a
         # served draft computing something else than the one trained (a wrong tensor, rope or norm; image rows
-        # fed other embeddings) would accept next to nothing. Two or three prompts of 16 tokens: a loose band.
-        assert row["simulated_walk"] > 1.05, (item, row)
-        assert 0.75 <= row["served_over_walk"] <= 1.3, (item, row)
+        # fed other embeddings) would accept less than the walk. Two or three prompts of 16 tokens walk only
+        # 1.05-1.35 on image requests, depending on the machine's float rounding of the training set, so the
+        # walk is only asked to accept something; in fp32 served and walk agree within a few accepted tokens.
+        assert row["simulated_walk"] > 1.0, (item, row)
+        assert 0.9 <= row["served_over_walk"] <= 1.2, (item, row)
