@@ -5,7 +5,10 @@
 # Run:  docker run -e EAGLE_TAP_COLLECTOR_TOKEN=... -v captures:/data -p 8470:8470 eagle-tap-collector
 # The collector reads its token from EAGLE_TAP_COLLECTOR_TOKEN (or --token-file); it refuses to listen
 # on 0.0.0.0 without one, so the container exits at once with that message when the token is unset.
-FROM python:3.11-slim
+# A machine with no image registry builds a local Python 3.11 base from Debian packages instead
+# (docker/build_local.py: --build-arg PYTHON_IMAGE=eagle-tap/debian-python:bookworm).
+ARG PYTHON_IMAGE=python:3.11-slim
+FROM ${PYTHON_IMAGE}
 
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -9,8 +9,11 @@
 # The tag must carry the SGLang version the plugin supports (sglang_patch.SUPPORTED_SGLANG_VERSIONS,
 # the Makefile's SGLANG_SPEC); the build fails otherwise. Release tags are `v<version>` (CUDA 13);
 # `v<version>-runtime` is the smaller runtime image of the same release.
+# SGLANG_IMAGE=eagle-tap/sglang-cpu (docker/build_local.py) is the same SGLang installed the Makefile's way on
+# a local Debian base: the CPU torch, SGLang with --no-deps, requirements/sglang-cpu.txt.
+ARG SGLANG_IMAGE=lmsysorg/sglang
 ARG SGLANG_TAG=v0.5.23
-FROM lmsysorg/sglang:${SGLANG_TAG}
+FROM ${SGLANG_IMAGE}:${SGLANG_TAG}
 
 # Sources only; the allowlist in server.Dockerfile.dockerignore keeps .venv, runs and caches out.
 COPY docker/pin_installed.py /opt/eagle-tap/pin_installed.py

@@ -5,8 +5,11 @@
 # Build from the repository root:  docker build -f docker/trainer.Dockerfile -t eagle-tap-trainer .
 # The tag's torch is the version this project is tested with (the Makefile's TORCH_SPEC), built for
 # CUDA 13.0; pick another `pytorch/pytorch:<torch>-cuda<cuda>-cudnn9-runtime` for older drivers.
+# PYTORCH_IMAGE=eagle-tap/torch-cpu (docker/build_local.py) is the CPU wheel of the same torch on a local
+# Debian base.
+ARG PYTORCH_IMAGE=pytorch/pytorch
 ARG PYTORCH_TAG=2.13.0-cuda13.0-cudnn9-runtime
-FROM pytorch/pytorch:${PYTORCH_TAG}
+FROM ${PYTORCH_IMAGE}:${PYTORCH_TAG}
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \

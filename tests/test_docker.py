@@ -1,4 +1,5 @@
-"""The docker/ deployment, checked without a docker engine (none here): wiring, pins, sources, commands.
+"""The docker/ deployment, checked without a docker engine: wiring, pins, sources, commands (tests/test_containers.py
+builds and runs the images).
 
 What must hold, and what each check reads it from:
 - compose.yaml: the three services and their builds; one token variable shared by server, collector and
@@ -23,7 +24,6 @@ import os
 import posixpath
 import re
 import shlex
-import shutil
 import subprocess
 import tomllib
 from dataclasses import dataclass
@@ -618,21 +618,4 @@ def test_readme_commands_parse_with_the_project_and_sglang_parsers() -> None:
     assert any({"--speculative-algorithm", "--speculative-draft-model-path"} <= set(tail) for tail in sglang_commands)
     readme = README_PATH.read_text(encoding="utf-8")
     assert "EAGLE_TAP_CAPTURE_LAYERS=3,31,59" in readme and "--nproc-per-node 8" in readme
-    assert "57,344" in readme and "not built" in readme.lower()
-
-
-# === an engine, where one exists ===================================================================
-
-def test_compose_config_with_a_docker_engine_when_one_answers() -> None:
-    docker = shutil.which("docker")
-    if docker is None:
-        pytest.skip("no docker client on this machine; the checks above are all there is")
-    engine = subprocess.run([docker, "version", "--format", "{{.Server.Version}}"], capture_output=True, text=True,
-                            timeout=5)
-    if engine.returncode != 0:
-        pytest.skip(f"docker client present but no engine answers: {engine.stderr.strip()[:200]}")
-    result = subprocess.run([docker, "compose", "-f", str(COMPOSE_PATH), "config", "--quiet"], capture_output=True,
-                            text=True, timeout=30, env={**os.environ, **TEST_ENV})
-    if "is not a docker command" in result.stderr or "unknown command" in result.stderr:
-        pytest.skip("the docker compose plugin is not installed")
-    assert result.returncode == 0, result.stderr
+    assert "57,344" in readme and "the gpu images are not built here" in readme.lower()
