@@ -11,9 +11,12 @@ blocks on (its first row): the cache may serve the tokens before it, and rows of
 that a prefill computes anyway are skipped.
 
 On a replica that serves an EAGLE-3 draft (`speculative.py`) a decode step is a verify forward: `on_verify`
-copies each captured request's candidate rows (the accepted path's, `num_steps + 1`), and after the
-scheduler processed the step `on_verify_processed` keeps as many as the step accepted, in order, and
-notes the count; the record then carries them as `served_draft` metadata.
+hands the copier one block of candidate rows for all the step's captured requests (each request's accepted
+path, `num_steps + 1` rows), and after the scheduler processed the step `on_verify_processed` notes, per
+request, how many of its rows the step accepted (a reference into the block, no copy, no tensor op); every
+`_RUN_MAX_STEPS` steps, at a part boundary and at the capture's end the rows noted are joined into one block
+on the copy thread (`RowCopier.join`), so a record reaches the sender in a few blocks, not one per step.
+The counts go into the record as `served_draft` metadata.
 
 A capture in "prefill" mode is emitted at the chunk that ends the prompt. One in "generate" mode
 (`capture_format.tag`) goes on taking one row per decode step and is emitted when its request
@@ -46,8 +49,9 @@ What must hold:
 - a capture holds at most one part's rows plus one forward's (`most_rows_held` in the stats); parts
   are cut only within the tokens the request already has, and never take its newest row (nor, in
   generate mode, the one before: the overlap scheduler may run a step past the last token);
-- the only work done here is copying the captured rows off the device, once per forward for all
-  captured requests (`device_copy.py`: never waits for the device on CUDA; an image request's
+- the only work done here is queueing the copy of the captured rows off the device, once per forward for
+  all captured requests (`device_copy.py`: never waits for the device on CUDA, copies nothing on this thread
+  on CPU unless a CPU graph runner replays the forward; a verify step costs a few Python operations per captured request and no tensor op on CPU; an image request's
   embedding rows are the exception: a plain copy, which waits on CUDA, once per extend that holds image
   positions, not yet through the row copier); compression and I/O happen in the sender thread;
 - every host buffer a dropped capture holds is released (a leaked pinned slab would starve capture);
@@ -67,7 +71,7 @@ import torch
 
 from capture_format.records import num_span_positions
 from capture_format.tag import CaptureTag
-from sglang_patch.device_copy import HostCopier, HostRows, RowCopier, host_cat, host_copy
+from sglang_patch.device_copy import HostCopier, HostRows, RowCopier, RowPiece, host_cat, host_copy, release_pieces
 from sglang_patch.selection import PrefixPlan, Selection, Selector, is_sampled
 from sglang_patch.speculative import METADATA_KEY, SpecServing, served_draft_metadata, verified_steps
 from sglang_patch.stats import CaptureStats
@@ -182,6 +186,12 @@ class CapturedSequence:
             chunk.release()
 
 
+_RUN_MAX_STEPS = 64
+"""Verify steps whose kept rows a capture notes before they are joined into one block (`RowCopier.join`): bounds
+the candidate rows it keeps alive to 64 steps' blocks, while a 48-token answer is joined once, at its end."""
+_RUN_MAX_BYTES = 16 << 20
+"""... and to 16 MiB of them (on CPU a step's block is the whole verify forward's outputs, kept by reference)."""
+
 # SGLang's finish reasons (schedule_batch.py), as the client's regenerate mode names them.
 _FINISH_REASONS = {"FINISH_MATCHED_TOKEN": "stop", "FINISH_MATCHED_STR": "stop", "FINISHED_MATCHED_REGEX": "stop",
                    "FINISH_LENGTH": "length"}
@@ -194,8 +204,18 @@ class _Partial:
     chunks: list[HostRows]
     num_rows: int
     updated_at: float
-    pending: list[HostRows] = dataclasses.field(default_factory=list)
-    """Verify steps' candidate rows, oldest first, until the scheduler says how many each step accepted."""
+    pending: list[tuple[HostRows, int]] = dataclasses.field(default_factory=list)
+    """Verify steps' candidate rows, oldest first, until the scheduler says how many each step accepted: (the
+    step's block, the first of this request's rows in it); each holds the block's lease once."""
+    run: list[RowPiece] = dataclasses.field(default_factory=list)
+    """The rows kept of verify steps, oldest first, not yet joined into a chunk: they follow the chunks."""
+    run_held_nbytes: int = 0
+    """Host bytes the blocks of `run` keep alive (counted once per step)."""
+    run_cut_rows: int = 0
+    """Held rows from which a part may be due (`_part_rows` + 2), set at the first verify step kept."""
+    req: object = None
+    """SGLang's `Req` of the request, as its last extend batch held it: a verify step finds the request's
+    position in its batch by identity (`list.index`, a scan in C) instead of looking up every request."""
     accepted: list[int] = dataclasses.field(default_factory=list)
     """Draft tokens each verify step of this request accepted, in order."""
     verify_ct_base: int | None = None
@@ -224,6 +244,7 @@ class _Partial:
 
     def take_rows(self, end: int) -> list[HostRows]:
         """Removes and returns the held rows of tokens [chunks_start, end), cutting a chunk in two where needed."""
+        assert not self.run, "verify rows are joined into a chunk before rows are taken"
         taken, count = [], end - self.chunks_start
         assert 0 < count <= self.num_rows, "rows taken must be held"
         while count:
@@ -241,8 +262,11 @@ class _Partial:
         return taken
 
     def release(self) -> None:
-        for chunk in (*self.chunks, *self.pending):
+        for chunk in self.chunks:
             chunk.release()
+        release_pieces([(block, start, start) for block, start in self.pending])
+        release_pieces(self.run)
+        self.pending, self.run, self.run_held_nbytes = [], [], 0
 
 
 class CaptureAssembler:
@@ -265,7 +289,8 @@ class CaptureAssembler:
         self.selector = selector or Selector(stats=stats, sample_rate=1.0, live_sample_rate=0.0, ttl_s=partial_ttl_s)
         self._partial_ttl_s = partial_ttl_s
         self._partials: dict[str, _Partial] = {}
-        self._num_generating = 0  # partials in generate mode: decode batches are looked at only while > 0
+        self._generating: dict[str, _Partial] = {}
+        """The partials in generate mode: decode batches are looked at only while there is one."""
         self._last_sweep = time.monotonic()
 
     @property
@@ -275,7 +300,7 @@ class CaptureAssembler:
     @property
     def generating(self) -> bool:
         """Whether a generate-mode capture is running (decode rows and finishes matter)."""
-        return self._num_generating > 0
+        return bool(self._generating)
 
     def on_extend(self, reqs: list, prefix_lens: list[int], extend_lens: list[int],
                   aux: torch.Tensor, final: torch.Tensor, input_embeds: torch.Tensor | None = None) -> None:
@@ -305,6 +330,7 @@ class CaptureAssembler:
             elif prefix_len <= partial.first_row and partial.num_rows > 0:
                 self._stats.add("restarted")  # retracted and prefilled again from its first row
                 self._restart(partial, now)
+            partial.req = req
             # Rows already held (a retracted request prefilled again), or before its first row, are not taken.
             first_new = partial.rows_end - prefix_len
             if first_new < 0:
@@ -356,64 +382,80 @@ class CaptureAssembler:
     def on_verify(self, reqs: list, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor,
                   num_draft_tokens: int) -> None:
         """Take the candidate rows of one verify forward (`speculative.py`): aux (bs * D, K*H), final (bs * D, H),
-        accept_index (bs, num_steps + 1) the accepted tree path's rows, -1 past its end, D = num_draft_tokens."""
+        accept_index (bs, num_steps + 1) the accepted tree path's rows, -1 past its end, D = num_draft_tokens.
+        One block for all captured requests (`RowCopier.gather_verify`); the requests are found from the
+        running generate captures (`_Partial.req`), so the requests not captured cost nothing in Python."""
         now = time.monotonic()
-        taken: list[tuple[object, _Partial]] = []
+        taken: list[_Partial] = []
         positions: list[int] = []
-        for position, req in enumerate(reqs):
-            partial = self._partials.get(req.rid)
-            if partial is None or partial.tag.mode != "generate":
+        for rid, partial in list(self._generating.items()):
+            req = partial.req
+            try:
+                position = reqs.index(req)
+            except ValueError:  # not in this batch (its prefill is still running, or it was retracted)
                 continue
             if partial.rows_end < len(req.origin_input_ids):  # a prompt chunk never came
-                self._abandon(req.rid, "missing_rows", now)
+                self._abandon(rid, "missing_rows", now)
                 continue
             if partial.verify_ct_base is None:
                 partial.verify_ct_base = int(getattr(req, "spec_verify_ct", 0)) - len(partial.accepted)
-            taken.append((req, partial))
+            taken.append(partial)
             positions.append(position)
         if taken:
-            width = accept_index.shape[1]
-            rows = torch.tensor(positions, dtype=torch.int64, device=accept_index.device)
-            # Top-k 1: the accepted path is the front of each block. Top-k > 1: SGLang has moved the path's aux
-            # rows to the front already, not the final states, which are gathered along the path itself.
-            front = (rows[:, None] * num_draft_tokens
-                     + torch.arange(width, dtype=torch.int64, device=rows.device)).reshape(-1)  # (n * width,)
-            path = accept_index[rows].to(torch.int64).clamp(min=0).reshape(-1)  # (n * width,)
-            aux_rows, final_rows = aux[front.to(aux.device)], final[path.to(final.device)]  # (n*width, K*H), (n*width, H)
-            ranges = [(index * width, (index + 1) * width) for index in range(len(taken))]
-            copied = self._copier.copy(aux_rows, final_rows, ranges)
-            if copied is None:
-                for req, _ in taken:
-                    self._abandon(req.rid, "host_buffers_full", now)
+            block = self._copier.gather_verify(aux, final, accept_index, positions, num_draft_tokens)
+            if block is None:  # no host buffer free: drop these captures rather than wait
+                for position in positions:
+                    self._abandon(reqs[position].rid, "host_buffers_full", now)
             else:
-                for (req, partial), candidate in zip(taken, copied):
-                    partial.pending.append(candidate)
+                width = accept_index.shape[1]
+                for slot, partial in enumerate(taken):
+                    partial.pending.append((block, slot * width))
                     partial.updated_at = now
         self._maybe_sweep(now)
 
     def on_verify_processed(self, reqs: list, num_correct_drafts: list[int]) -> None:
         """After the scheduler processed a verify step: keep the rows of the tokens each captured request
-        accepted (SGLang's own per-request count), note the count, and check that rows and tokens still agree."""
+        accepted (SGLang's own per-request count), note the count, and check that rows and tokens still agree.
+        The rows kept are noted, not copied; they are joined into a chunk every `_RUN_MAX_STEPS` steps and
+        where a part is due (`_flush_run`)."""
         now = time.monotonic()
-        for req, num_correct in zip(reqs, num_correct_drafts):
-            partial = self._partials.get(req.rid)
-            if partial is None or not partial.pending:
+        for rid, partial in list(self._generating.items()):
+            if not partial.pending:
                 continue
-            candidate = partial.pending.pop(0)
+            req = partial.req
+            try:
+                num_correct = num_correct_drafts[reqs.index(req)]
+            except ValueError:
+                continue
+            block, start = partial.pending.pop(0)
             # SGLang counts a step only for a request that was neither finished nor retracted before it.
             if int(getattr(req, "spec_verify_ct", 0)) - partial.verify_ct_base <= len(partial.accepted):
-                candidate.release()
+                release_pieces([(block, start, start)])
                 continue
-            kept = HostRows(aux=candidate.aux[: num_correct + 1], final=candidate.final[: num_correct + 1],
-                            ready=candidate.ready, lease=candidate.lease)
-            candidate.lease = None  # the lease moves to the rows kept
-            partial.chunks.append(kept)
-            partial.num_rows += num_correct + 1
-            partial.accepted.append(int(num_correct))
+            count = int(num_correct) + 1
+            partial.run.append((block, start, start + count))  # the hold on the block's lease moves here
+            partial.run_held_nbytes += block.held_nbytes
+            partial.num_rows += count
+            partial.accepted.append(count - 1)
             if not req.finished() and partial.rows_end != len(req.origin_input_ids) + len(req.output_ids) - 1:
-                self._abandon(req.rid, "misaligned", now)
-            else:
+                self._abandon(rid, "misaligned", now)
+                continue
+            if not partial.run_cut_rows:
+                partial.run_cut_rows = self._part_rows(partial) + 2
+            if (len(partial.run) >= _RUN_MAX_STEPS or partial.run_held_nbytes >= _RUN_MAX_BYTES
+                    or partial.num_rows >= partial.run_cut_rows):
+                self._flush_run(partial)
                 self._cut_parts(req, partial, now)
+
+    def _flush_run(self, partial: _Partial) -> None:
+        """Joins the verify rows noted into one chunk (the copy runs on the copy thread). Rows held only grow
+        between joins, so the gauge `_cut_parts` keeps is exact when kept here (not at every verify step)."""
+        if partial.num_rows > self._most_rows_held:
+            self._most_rows_held = partial.num_rows
+            self._stats.set("most_rows_held", partial.num_rows)
+        if partial.run:
+            partial.chunks.append(self._copier.join(partial.run))
+            partial.run, partial.run_held_nbytes = [], 0
 
     def on_finished(self, reqs: list) -> None:
         """After the scheduler processed a batch: emit (or drop) the generate captures whose request finished."""
@@ -429,18 +471,19 @@ class CaptureAssembler:
         partial = self._partials[rid] = _Partial(tag=tag, prefix=selection.prefix, chunks=[], num_rows=0,
                                                  updated_at=now)
         partial.chunks_start = partial.first_row
-        self._num_generating += tag.mode == "generate"
+        if tag.mode == "generate":
+            self._generating[rid] = partial
         self._stats.add("started")
         return partial
 
     def _restart(self, partial: _Partial, now: float) -> None:
         # Rows already sent in parts stay sent: the new prefill's rows before chunks_start are not taken.
         partial.release()
-        partial.chunks, partial.pending, partial.num_rows, partial.updated_at = [], [], 0, now
+        partial.chunks, partial.num_rows, partial.updated_at = [], 0, now
         partial.embeds, partial.num_embeds = [], 0  # an image request is never in parts: it restarts at 0
 
     def _part_rows(self, partial: _Partial) -> int:
-        row_nbytes = partial.chunks[0].nbytes // max(partial.chunks[0].aux.shape[0], 1)
+        row_nbytes = (partial.chunks[0] if partial.chunks else partial.run[0][0]).row_nbytes
         return max(1, min(self._part_max_tokens, self._part_max_bytes // max(row_nbytes, 1)))
 
     def _cut_parts(self, req, partial: _Partial, now: float) -> bool:
@@ -454,6 +497,7 @@ class CaptureAssembler:
         spare = 1 + (partial.tag.mode == "generate")
         if partial.images is not None:  # sent whole (see the module docstring)
             return True
+        self._flush_run(partial)
         if not partial.chunks or partial.num_rows < self._part_rows(partial) + spare:
             return True
         plan = partial.prefix
@@ -509,7 +553,7 @@ class CaptureAssembler:
     def _remove(self, rid: str) -> _Partial | None:
         partial = self._partials.pop(rid, None)
         if partial is not None:
-            self._num_generating -= partial.tag.mode == "generate"
+            self._generating.pop(rid, None)
         return partial
 
     def _copy(self, taken: list[tuple[object, _Partial]], ranges: list[tuple[int, int]],
@@ -552,9 +596,9 @@ class CaptureAssembler:
         if getattr(finished, "matched", None) == "NaN happened":  # SGLang's finish on non-finite logits
             self._discard(partial, "nan")
             return
-        for candidate in partial.pending:  # steps after the finishing one (overlap scheduling)
-            candidate.release()
-        partial.pending.clear()
+        release_pieces([(block, start, start) for block, start in partial.pending])  # steps after the finishing
+        partial.pending.clear()  # one (overlap scheduling)
+        self._flush_run(partial)
         prompt = list(req.origin_input_ids)
         generated = list(req.output_ids if req.finished_len is None else req.output_ids[: req.finished_len])
         if not generated:
@@ -646,6 +690,7 @@ class CaptureAssembler:
         prefix = partial.prefix
         if (req is not None and prefix is not None and prefix.sent_here and not partial.plan_sent
                 and partial.rows_end >= prefix.sent_here[-1]):
+            self._flush_run(partial)
             self._send_blocks(partial, req.origin_input_ids, prefix.sent_here[-1])
         partial.release()
 

@@ -1,7 +1,10 @@
 """Copying captured rows off the device without making the scheduler's thread wait.
 
-One call per forward copies the rows of every captured request of the batch. On CPU that is a plain
-copy (`HostCopier`). On CUDA (`CudaRowCopier`), per forward:
+One call per forward copies the rows of every captured request of the batch. On CPU (`DeferredHostCopier`)
+the scheduler's thread only keeps references to the forward's output tensors and hands the copy to a copy
+thread (`CopyJobs`); where the captured rows are every row of those tensors it keeps the references and
+copies nothing. Why that is safe, and when it is not (`HostCopier`, the plain copy, is used then), is in
+`DeferredHostCopier`'s docstring. On CUDA (`CudaRowCopier`), per forward:
 1. on the forward's own stream, one gather (`torch.cat` of the captured row ranges) into a private
    device tensor; stream order puts it after the forward that wrote the rows and before any later
    forward, so whatever that later forward writes cannot reach the gathered rows;
@@ -30,24 +33,33 @@ pool bounds that; past it captures are dropped and counted. Giving each generate
 device-side block of rows (one scatter per step, one copy per block) would remove the sharing; not
 done yet.
 
+A verify forward of a replica that serves a draft hands over one block of candidate rows for all its
+captured requests (`gather_verify`); the rows a capture keeps of its steps are joined into one block on the
+copy thread (`join`) every few dozen steps and before the capture is sent, so the sender reads a few large
+blocks per capture, not one per step.
+
 What must hold:
 - the pool never holds more than `capacity_bytes`; `try_acquire` never blocks on the device;
 - a slab goes back to the pool only when every `HostRows` cut from it was released, and nothing reads
-  a `HostRows` before its `wait()` returned.
+  a `HostRows` before its `wait()` returned;
+- nothing on the scheduler's thread touches the captured bytes: it allocates, slices and queues; copy
+  jobs run in the order they were queued, and a failed one makes `wait()` raise `CopyFailed`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 __all__ = [
-    "CudaRowCopier", "HostBufferPool", "HostCopier", "HostRows", "PooledRowCopier", "RowCopier", "SlabLease", "cut_slab",
-    "host_cat",
+    "CopyFailed", "CopyJobs", "CudaRowCopier", "DeferredHostCopier", "HostBufferPool", "HostCopier", "HostRows",
+    "PooledRowCopier", "RowCopier", "RowPiece", "SlabLease", "VerifyRows", "cut_slab", "host_cat", "release_pieces",
 ]
 
 
@@ -130,9 +142,21 @@ class HostRows:
     def nbytes(self) -> int:
         return self.aux.nbytes + self.final.nbytes
 
+    held_nbytes = nbytes
+    """Host bytes these rows keep alive (a `VerifyRows` keeps a whole forward's outputs)."""
+
+    @property
+    def row_nbytes(self) -> int:
+        return self.aux.shape[1] * self.aux.element_size() + self.final.shape[1] * self.final.element_size()
+
     def wait(self) -> None:
         if self.ready is not None:
             self.ready()
+
+    def arrays(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows [start, end) as numpy integer views of their bytes, once copied (off the scheduler's thread)."""
+        self.wait()
+        return _ints(self.aux[start:end]), _ints(self.final[start:end])
 
     def split(self, num_rows: int) -> tuple[HostRows, HostRows]:
         """(the first num_rows rows, the rest): views of the same buffer, each holding it until released.
@@ -156,14 +180,178 @@ RowRanges = list[tuple[int, int]]
 """[start, end) row ranges of the captured requests in a forward's output, in batch order."""
 
 
+class VerifyRows:
+    """A verify forward's candidate rows of the captured requests at `positions` (batch order), kept as references
+    to the forward's outputs (on CPU: `DeferredHostCopier`): request i's W rows are [i * W, (i + 1) * W), W =
+    accept_index.shape[1], read on the copy thread only (`arrays`, by `RowCopier.join`)."""
+
+    __slots__ = ("aux", "final", "accept_index", "positions", "num_draft_tokens", "width", "held_nbytes")
+    lease = None
+
+    def __init__(self, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor, positions: list[int],
+                 num_draft_tokens: int) -> None:
+        self.aux = aux  # (bs * D, K*H), the forward's own
+        self.final = final  # (bs * D, H)
+        self.accept_index = accept_index  # (bs, W)
+        self.positions = positions
+        self.num_draft_tokens = num_draft_tokens
+        self.width = accept_index.shape[1]
+        self.held_nbytes = aux.nbytes + final.nbytes
+
+    @property
+    def row_nbytes(self) -> int:
+        return self.aux.shape[1] * self.aux.element_size() + self.final.shape[1] * self.final.element_size()
+
+    def wait(self) -> None:
+        pass  # nothing is being copied into them
+
+    def arrays(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows [start, end) of one request's W (numpy views of the bytes; the final rows gathered): the aux rows at
+        the front of its block of num_draft_tokens, the final rows along its accepted path (as
+        `RowCopier.gather_verify` lays them out)."""
+        slot, first = divmod(start, self.width)
+        last = end - slot * self.width
+        assert 0 <= first <= last <= self.width, "a piece lies within one request's rows"
+        position = self.positions[slot]
+        block = position * self.num_draft_tokens
+        path = self.accept_index.numpy()[position, first:last].astype(np.int64).clip(min=0)  # (n,)
+        return _ints(self.aux)[block + first : block + last], _ints(self.final)[path]
+
+
+RowPiece = tuple["HostRows | VerifyRows", int, int]
+"""Rows [start, end) of a block that others share (a verify step's): one holder of its lease, if it has one."""
+
+
+class CopyFailed(ValueError):
+    """A copy job failed on the copy thread; the capture whose rows it was copying cannot be sent."""
+
+
+class _Done:
+    __slots__ = ("event", "error")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self) -> None:
+        self.event.wait()
+        if self.error is not None:
+            raise CopyFailed(f"copying captured rows failed: {type(self.error).__name__}: {self.error}")
+
+
+class CopyJobs:
+    """One daemon thread that runs copy jobs in the order they were queued (started at the first job).
+
+    Its copies are numpy's (single-threaded, GIL released), for the reason `host_copy` gives. Like the sender
+    thread it runs `nice` lower than the server (Linux, per thread): the forward's threads go first."""
+
+    def __init__(self, name: str = "eagle-tap-copy", nice: int = 10) -> None:
+        self._name = name
+        self._nice = nice
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], None]) -> Callable[[], None]:
+        """Queues job; returns what waits until it ran (raising CopyFailed if it failed). Never blocks."""
+        done = _Done()
+        self._queue.put((job, done))
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                    self._thread.start()
+        return done.wait
+
+    def _run(self) -> None:
+        if self._nice > 0 and hasattr(os, "setpriority"):
+            try:
+                thread_id = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, thread_id, min(os.getpriority(os.PRIO_PROCESS, thread_id) + self._nice, 19))
+            except OSError:
+                pass  # copies then compete with the forward as the scheduler's own would
+        while True:
+            job, done = self._queue.get()
+            try:
+                job()
+            except BaseException as error:  # counted where the rows are read (`CopyFailed`), never raised here
+                done.error = error
+            done.event.set()
+            del job, done  # the job's references to the forward's tensors go now, not at the next job
+
+
+_SAME_WIDTH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _ints(rows: torch.Tensor) -> np.ndarray:
+    """A numpy view of rows' bytes as integers of their width (numpy has no bfloat16)."""
+    return rows.view(_SAME_WIDTH_INTS[rows.element_size()]).numpy()
+
+
+def release_pieces(pieces: Sequence[RowPiece]) -> None:
+    """Gives up each piece's hold on its lease (a no-op for rows without one)."""
+    for rows, _, _ in pieces:
+        if rows.lease is not None:
+            rows.lease.release_one()
+
+
 class RowCopier:
     """Copies the captured rows of one forward to host memory: one HostRows per range, or None (dropped)."""
+
+    _jobs: CopyJobs | None = None
+    copy_thread_nice = 10
+    """How much lower the copy thread's priority is than the server's (the hook sets EAGLE_TAP_SENDER_NICE's)."""
+
+    @property
+    def jobs(self) -> CopyJobs:
+        """The copy thread of this copier (joins, and on CPU every copy)."""
+        if self._jobs is None:
+            self._jobs = CopyJobs(nice=self.copy_thread_nice)
+        return self._jobs
 
     def copy(self, aux: torch.Tensor, final: torch.Tensor, ranges: RowRanges) -> list[HostRows] | None:
         raise NotImplementedError
 
+    def gather_verify(self, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor, positions: list[int],
+                      num_draft_tokens: int) -> HostRows | VerifyRows | None:
+        """The candidate rows of one verify forward for the requests at `positions` (batch order), as one block
+        of n * W rows, W = accept_index.shape[1]: request i's W rows at [i * W, (i + 1) * W), the aux rows at
+        the front of its block of num_draft_tokens and the final rows along its accepted path (`accept_index`,
+        -1 past its end: any row). Its lease (if any) has one holder per position. None: no room (dropped)."""
+        width = accept_index.shape[1]
+        rows = torch.tensor(positions, dtype=torch.int64, device=accept_index.device)
+        # Top-k 1: the accepted path is the front of each block. Top-k > 1: SGLang has moved the path's aux
+        # rows to the front already, not the final states, which are gathered along the path itself.
+        front = (rows[:, None] * num_draft_tokens
+                 + torch.arange(width, dtype=torch.int64, device=rows.device)).reshape(-1)  # (n * W,)
+        path = accept_index[rows].to(torch.int64).clamp(min=0).reshape(-1)  # (n * W,)
+        aux_rows, final_rows = aux[front.to(aux.device)], final[path.to(final.device)]  # (n*W, K*H), (n*W, H)
+        copied = self.copy(aux_rows, final_rows, [(0, len(positions) * width)])
+        if copied is None:
+            return None
+        block = copied[0]
+        if block.lease is not None:
+            for _ in positions[1:]:
+                block.lease.add_holder()
+        return block
 
-_SAME_WIDTH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    def join(self, pieces: Sequence[RowPiece]) -> HostRows:
+        """One HostRows of the pieces' rows, in order, copied on the copy thread (which first waits for each
+        piece's own copy); each piece's hold on its lease is given up once its rows are copied."""
+        num_rows = sum(end - start for _, start, end in pieces)
+        first = pieces[0][0]
+        aux = torch.empty((num_rows, first.aux.shape[1]), dtype=first.aux.dtype)  # (R, K*H)
+        final = torch.empty((num_rows, first.final.shape[1]), dtype=first.final.dtype)  # (R, H)
+
+        def job() -> None:
+            try:
+                arrays = [rows.arrays(start, end) for rows, start, end in pieces]
+                np.concatenate([piece_aux for piece_aux, _ in arrays], out=_ints(aux))
+                np.concatenate([piece_final for _, piece_final in arrays], out=_ints(final))
+            finally:
+                release_pieces(pieces)
+
+        return HostRows(aux=aux, final=final, ready=self.jobs.submit(job))
 
 
 def host_copy(rows: torch.Tensor) -> torch.Tensor:
@@ -186,12 +374,67 @@ def host_cat(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 class HostCopier(RowCopier):
-    """The plain copy, one per request: the right thing on CPU (no device to overlap with)."""
+    """The plain copy, one per request, on the calling thread: on CPU where the forward's outputs may be
+    overwritten after the hook returns (a CPU graph runner: see `DeferredHostCopier`)."""
 
     def copy(self, aux: torch.Tensor, final: torch.Tensor, ranges: RowRanges) -> list[HostRows]:
         return [HostRows(aux=host_copy(aux[start:end]),  # (n, K*H)
                          final=host_copy(final[start:end]))  # (n, H)
                 for start, end in ranges]
+
+
+def _whole_storage(rows: torch.Tensor) -> bool:
+    """Whether rows is all of its storage (a reference to it holds no byte more than rows)."""
+    return rows.is_contiguous() and rows.untyped_storage().nbytes() == rows.nbytes
+
+
+class DeferredHostCopier(RowCopier):
+    """On CPU: the scheduler's thread keeps references to the forward's output tensors and queues their
+    copy on the copy thread (`CopyJobs`); when the captured rows are all of those tensors, the references
+    are kept and nothing is copied (a copy would free nothing).
+
+    Why a reference stays valid, read in SGLang 0.5.23's source: on CPU without a CPU graph runner
+    (`--enable-torch-compile`: `model_runner_components/cuda_graph_setup.py` builds no graph runner on CPU
+    otherwise) every forward allocates its outputs anew: the aux states are `torch.cat` of the layers'
+    inputs in `LogitsProcessor`, the final states the final norm's output, and a verify forward's
+    `_compact_accept_to_front` (`speculative/eagle_worker_common.py`, top-k > 1) assigns a gathered clone
+    to `logits_output.hidden_states` before the hook runs rather than writing in place; `accept_index`
+    is a new tensor of each verify step. Nothing in SGLang writes into them after the forward (CPU memory
+    is not handed from one forward to the next by a caching allocator, and a tensor held here is not
+    freed), so the bytes read later on the copy thread are those the forward wrote. With a CPU graph
+    runner the outputs come from a compiled graph whose buffers we have not proven fresh per replay: the
+    hook then copies on its own thread (`HostCopier`), as before.
+
+    A verify forward's candidate rows are not copied at all until a capture's kept rows are joined
+    (`gather_verify` returns references, `VerifyRows`): the scheduler's thread runs no tensor operation for a
+    verify step. A capture joins its rows at least every 64 steps and 16 MiB of outputs kept alive
+    (`capture._RUN_MAX_STEPS`, `_RUN_MAX_BYTES`)."""
+
+    def copy(self, aux: torch.Tensor, final: torch.Tensor, ranges: RowRanges) -> list[HostRows]:
+        num_rows = sum(end - start for start, end in ranges)
+        if num_rows == aux.shape[0] == final.shape[0] and _whole_storage(aux) and _whole_storage(final):
+            return [HostRows(aux=aux[start:end], final=final[start:end]) for start, end in ranges]  # references
+        host_aux = torch.empty((num_rows, aux.shape[1]), dtype=aux.dtype)  # (N, K*H)
+        host_final = torch.empty((num_rows, final.shape[1]), dtype=final.dtype)  # (N, H)
+
+        def job() -> None:
+            source_aux, source_final = _ints(aux), _ints(final)
+            np.concatenate([source_aux[start:end] for start, end in ranges], out=_ints(host_aux))
+            np.concatenate([source_final[start:end] for start, end in ranges], out=_ints(host_final))
+
+        ready = self.jobs.submit(job)
+        rows, offset = [], 0
+        for start, end in ranges:
+            count = end - start
+            rows.append(HostRows(aux=host_aux[offset : offset + count], final=host_final[offset : offset + count],
+                                 ready=ready))
+            offset += count
+        return rows
+
+    def gather_verify(self, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor, positions: list[int],
+                      num_draft_tokens: int) -> VerifyRows:
+        # References only: `join` reads the rows kept of each step straight from the forward's outputs.
+        return VerifyRows(aux, final, accept_index, positions, num_draft_tokens)
 
 
 def cut_slab(lease: SlabLease, ranges: RowRanges, aux_width: int, final_width: int,

@@ -34,7 +34,7 @@ import torch
 from capture_format import CodecError, capture_layers_from_sglang_ids, codec_for_states
 from capture_format.fingerprint import model_fingerprint_or_marker
 from sglang_patch.capture import CaptureAssembler
-from sglang_patch.device_copy import CudaRowCopier, HostCopier, RowCopier
+from sglang_patch.device_copy import CudaRowCopier, DeferredHostCopier, HostCopier, RowCopier
 from sglang_patch.selection import Selector
 from sglang_patch.sender import ModelIdentity, Sender, record_dtype
 from sglang_patch.settings import CaptureSettings
@@ -54,6 +54,16 @@ def _parallel_rank(name: str) -> int:
         return int(getattr(get_parallel(), name))
     except Exception:  # not published in this setup (e.g. no context parallelism): rank 0 of a group of one
         return 0
+
+
+def _has_graph_runner(worker: Any) -> bool:
+    """Whether the worker's model runner replays graphs (on CPU: `--enable-torch-compile`), or cannot be read
+    (then assumed to); `device_copy.DeferredHostCopier` says why it matters."""
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        return True
+    runners = (getattr(runner, "decode_cuda_graph_runner", None), getattr(runner, "prefill_cuda_graph_runner", None))
+    return any(graph is not None and type(graph).__name__ != "EagerRunner" for graph in runners)
 
 
 class CaptureHook:
@@ -106,9 +116,11 @@ class CaptureHook:
             else:
                 self._assembler.on_extend(batch.reqs, batch.prefix_lens, batch.extend_lens, aux, final,
                                           getattr(logits_output, "mm_input_embeds", None))
-            # What the scheduler's thread spends on capture per forward (hook + device copy).
-            self.stats.add("hook_ns", time.perf_counter_ns() - started_ns)
-            self.stats.add("hook_cpu_ns", time.thread_time_ns() - started_cpu_ns)  # not counting preemption
+            # What the scheduler's thread spends on capture per forward (hook + device copy), not counting
+            # preemption nor the counting itself.
+            cpu_ns, wall_ns = time.thread_time_ns() - started_cpu_ns, time.perf_counter_ns() - started_ns
+            self.stats.add("hook_ns", wall_ns)
+            self.stats.add("hook_cpu_ns", cpu_ns)
         except Exception:
             self._count_error("capture")
         return None
@@ -183,10 +195,12 @@ class CaptureHook:
             if aux is None or final is None or accept_index is None:
                 self.stats.add("batches_without_states")
                 return None
+            num_draft_tokens = int(result.speculative_num_draft_tokens)
             started_ns, started_cpu_ns = time.perf_counter_ns(), time.thread_time_ns()
-            self._assembler.on_verify(batch.reqs, aux, final, accept_index, int(result.speculative_num_draft_tokens))
-            self.stats.add("hook_ns", time.perf_counter_ns() - started_ns)
-            self.stats.add("hook_cpu_ns", time.thread_time_ns() - started_cpu_ns)
+            self._assembler.on_verify(batch.reqs, aux, final, accept_index, num_draft_tokens)
+            cpu_ns, wall_ns = time.thread_time_ns() - started_cpu_ns, time.perf_counter_ns() - started_ns
+            self.stats.add("hook_ns", wall_ns)
+            self.stats.add("hook_cpu_ns", cpu_ns)
         except Exception:
             self._count_error("verify")
         return None
@@ -287,9 +301,11 @@ class CaptureHook:
 
     def _row_copier(self, worker: Any) -> RowCopier:
         device = torch.device(getattr(worker, "device", None) or "cpu")  # ModelRunner.device, e.g. "cuda"
-        if device.type != "cuda":
+        if device.type == "cuda":
+            return CudaRowCopier(torch.device("cuda", torch.cuda.current_device()), self._settings.host_buffer_bytes)
+        if _has_graph_runner(worker):  # outputs of a replayed graph: copied before the hook returns
             return HostCopier()
-        return CudaRowCopier(torch.device("cuda", torch.cuda.current_device()), self._settings.host_buffer_bytes)
+        return DeferredHostCopier()
 
     def _start(self, worker: Any) -> None:
         from sglang.srt.runtime_context import get_exec, get_spec
@@ -338,6 +354,7 @@ class CaptureHook:
                               state_dtype=state_dtype, codec=codec)
         dp_rank = _parallel_rank("attn_dp_rank")
         copier = self._row_copier(worker)
+        copier.copy_thread_nice = self._settings.sender_nice
         try:
             check_private_directory(self._settings.spool_dir)
             spool = Spool(self._settings.spool_dir / f"dp{dp_rank}", self._settings.spool_max_bytes)

@@ -69,8 +69,9 @@ class CaptureSettings(BaseSettings):
     batch_max_age_s: float = Field(default=0.05, ge=0)
     """How long the sender waits for more captures to fill a POST, from the oldest one queued."""
     sender_nice: int = Field(default=10, ge=0, le=19)
-    """How much lower the sender's threads' CPU priority is than the server's (Linux nice, per thread), so
-    compressing and sending yield the CPU to serving when cores are short; 0 leaves it as it is."""
+    """How much lower the sender's threads' and the copy thread's CPU priority is than the server's (Linux nice,
+    per thread), so copying, compressing and sending yield the CPU to serving when cores are short; 0 leaves it
+    as it is."""
     sender_threads: int = Field(default=0, ge=0, le=64)
     """Threads that compress and frame captures (zstd and numpy release the GIL), each at sender_nice; frames
     still leave in capture order. 0 sizes it from the width and the cores: enough for 10,000 captured tokens/s

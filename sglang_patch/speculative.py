@@ -11,10 +11,12 @@ On such a server (SGLang 0.5.23, `EAGLEWorkerV2`) the target's own forwards comp
   decode step contributes one, and the record is row for row the one a draftless replica stores.
   For top-k > 1 SGLang moves the accepted path's aux rows to the front of each request's block
   (`eagle_worker_common._finalize_accept_tree_path`) but not the final states: those are gathered through
-  `accept_index`. The hook on `EAGLEWorkerV2.forward_batch_generation` copies `num_steps + 1` candidate rows
-  per captured request at forward time (device-side gathers and copies, no wait on the device); how many of
-  them count is read after `Scheduler.process_batch_result`, from the same per-request numbers SGLang itself
-  counts (`result.num_correct_drafts_per_req_cpu`).
+  `accept_index`. The hook on `EAGLEWorkerV2.forward_batch_generation` hands the copier one block of
+  `num_steps + 1` candidate rows per captured request for the whole forward (`RowCopier.gather_verify`: on CUDA
+  device-side gathers and copies, no wait on the device; on CPU the gather runs on the copy thread); how many
+  of them count is read after `Scheduler.process_batch_result`, from the same per-request numbers SGLang itself
+  counts (`result.num_correct_drafts_per_req_cpu`), and noted, not copied, until a capture's kept rows are
+  joined into one block (`capture.py`).
 - the final state: SGLang keeps the post-norm `last_hidden_states` only in its capture-only mode
   (`LogitsProcessor.keep_last_hidden_states`); an AFTER hook on `LogitsProcessor.__init__` keeps it on a
   capturing EAGLE-3 replica too: a reference to the tensor the forward computed anyway, never a copy.

@@ -1,0 +1,154 @@
+"""Copies off the scheduler's thread on CPU: `DeferredHostCopier`, the copy thread, and verify steps' rows joined
+into a few blocks per capture. The records' parity on real servers is in tests/test_spec_capture.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from capture_format.tag import CaptureTag
+from sglang_patch.capture import CaptureAssembler
+from sglang_patch.device_copy import (
+    CopyFailed,
+    CopyJobs,
+    DeferredHostCopier,
+    HostBufferPool,
+    HostCopier,
+    PooledRowCopier,
+    VerifyRows,
+)
+from sglang_patch.stats import CaptureStats
+from test_spec_capture_units import CHAIN, SpecReq, check_rows, prefill, verify
+
+
+def states(num_rows: int, width: int, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.arange(num_rows * width, dtype=torch.float32).view(num_rows, width).to(dtype)
+
+
+def test_rows_of_some_requests_are_copied_on_the_copy_thread() -> None:
+    aux, final = states(10, 6), states(10, 2)  # (rows, K*H), (rows, H)
+    ranges = [(0, 3), (4, 5), (7, 10)]
+    rows = DeferredHostCopier().copy(aux, final, ranges)
+    for host_rows, (start, end) in zip(rows, ranges):
+        host_rows.wait()
+        assert torch.equal(host_rows.aux, aux[start:end]) and torch.equal(host_rows.final, final[start:end])
+        assert host_rows.aux.untyped_storage().data_ptr() != aux.untyped_storage().data_ptr()  # a copy
+
+
+def test_rows_that_are_the_whole_output_are_kept_by_reference() -> None:
+    aux, final = states(10, 6), states(10, 2)
+    rows = DeferredHostCopier().copy(aux, final, [(0, 4), (4, 10)])
+    assert [host_rows.ready for host_rows in rows] == [None, None]
+    assert rows[1].aux.data_ptr() == aux[4:].data_ptr() and rows[1].final.data_ptr() == final[4:].data_ptr()
+    # A view of a larger tensor is copied: a reference would keep the rows nobody captured alive.
+    whole = states(20, 6)
+    copied = DeferredHostCopier().copy(whole[:10], final, [(0, 10)])[0]
+    copied.wait()
+    assert copied.aux.data_ptr() != whole.data_ptr() and torch.equal(copied.aux, whole[:10])
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_a_verify_steps_block_is_the_one_the_device_path_gathers(tree) -> None:
+    num_draft_tokens, width, batch = (6, 4, 5) if tree else (4, 4, 5)
+    aux, final = states(batch * num_draft_tokens, 12), states(batch * num_draft_tokens, 4)
+    accept_index = torch.full((batch, width), -1, dtype=torch.int32)
+    for i in range(batch):
+        nodes = [0, 2, 5][: 1 + i % 3] if tree else list(range(1 + i % 4))
+        accept_index[i, : len(nodes)] = torch.tensor(nodes) + i * num_draft_tokens
+    positions = [0, 2, 3]
+    deferred = DeferredHostCopier().gather_verify(aux, final, accept_index, positions, num_draft_tokens)
+    plain = HostCopier().gather_verify(aux, final, accept_index, positions, num_draft_tokens)
+    assert isinstance(deferred, VerifyRows) and deferred.aux is aux  # a reference, nothing copied
+    for slot in range(len(positions)):
+        for start, end in [(0, width), (0, 1), (1, 3), (2, 2)]:
+            rows = (slot * width + start, slot * width + end)
+            for deferred_rows, plain_rows in zip(deferred.arrays(*rows), plain.arrays(*rows)):
+                assert (deferred_rows == plain_rows).all() and deferred_rows.shape == plain_rows.shape
+
+
+def test_a_failed_copy_is_raised_where_its_rows_are_read_and_the_thread_goes_on() -> None:
+    jobs = CopyJobs()
+
+    def broken() -> None:
+        raise RuntimeError("bad rows")
+
+    with pytest.raises(CopyFailed, match="bad rows"):
+        jobs.submit(broken)()
+    ran = []
+    jobs.submit(lambda: ran.append(1))()
+    assert ran == [1]
+    assert issubclass(CopyFailed, ValueError)  # the sender drops and counts a capture whose rows it cannot read
+
+
+def test_joined_pieces_keep_their_order_and_give_their_slabs_back() -> None:
+    pool = HostBufferPool(64 << 10, lambda nbytes: torch.zeros(nbytes, dtype=torch.uint8), granule_bytes=1 << 10)
+    copier = PooledRowCopier(pool)
+    aux, final = states(12, 6), states(12, 2)
+    first = copier.copy(aux, final, [(0, 6)])[0]
+    second = copier.copy(aux, final, [(6, 12)])[0]
+    first.lease.add_holder()  # two requests' rows in the first block
+    joined = copier.join([(first, 4, 6), (second, 0, 3), (first, 0, 2)])
+    joined.wait()
+    assert torch.equal(joined.aux, torch.cat([aux[4:6], aux[6:9], aux[0:2]]))
+    assert torch.equal(joined.final, torch.cat([final[4:6], final[6:9], final[0:2]]))
+    assert pool.lent_bytes == 0
+
+
+class AtenOps(TorchDispatchMode):
+    """The tensor operations run on this thread while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def deferred_assembler(emitted: list) -> CaptureAssembler:
+    asm = CaptureAssembler(stats=CaptureStats(), emit=emitted.append, copier=DeferredHostCopier(),
+                           served_draft=lambda: ("d" * 32, CHAIN))
+    for number in range(1, 4):
+        asm.selector.on_request(SimpleNamespace(rid=f"rid-{number}", sampling_params=SimpleNamespace(
+            custom_params=CaptureTag(record_id=f"rec-{number}", sample_id=f"s-{number}", loss_spans=(),
+                                     mode="generate").to_custom_params()), cache_salt=None, input_embeds=None,
+            mm_inputs=None))
+    return asm
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_a_long_generation_reaches_the_sender_in_a_few_blocks(tree) -> None:
+    emitted: list = []
+    asm = deferred_assembler(emitted)
+    a, b = SpecReq(1, 5), SpecReq(2, 3)
+    prefill(asm, [a, b])
+    for step in range(150):
+        verify(asm, [a, b], [step % 4, (step + 1) % 4], tree=tree, finish={"rid-1", "rid-2"} if step == 149 else set())
+    assert sorted(captured.tag.record_id for captured in emitted) == ["rec-1", "rec-2"]
+    for captured in emitted:
+        assert len(captured.chunks) == 1 + 3  # the prompt's, then one per 64 verify steps
+        check_rows(captured, int(captured.tag.record_id[-1]))
+        assert captured.metadata["served_draft"]["verify_steps"] == 150
+
+
+def test_a_verify_step_runs_no_tensor_op_on_the_schedulers_thread() -> None:
+    emitted: list = []
+    asm = deferred_assembler(emitted)
+    reqs = [SpecReq(1, 5), SpecReq(2, 3), SpecReq(3, 4)]
+    prefill(asm, reqs)
+    num_draft_tokens = 4
+    aux, final = states(3 * num_draft_tokens, 12, torch.float32), states(3 * num_draft_tokens, 4, torch.float32)
+    accept_index = torch.tensor([[0, 1, -1, -1], [4, -1, -1, -1], [8, 9, 10, 11]], dtype=torch.int32)
+    with AtenOps() as verify_ops:
+        asm.on_verify(reqs, aux, final, accept_index, num_draft_tokens)
+    for req, count in zip(reqs, [1, 0, 3]):
+        req.output_ids.extend(range(count + 1))
+        req.spec_verify_ct += 1
+    with AtenOps() as processed_ops:
+        asm.on_verify_processed(reqs, [1, 0, 3])
+    assert verify_ops.ops == [] and processed_ops.ops == []  # references and counts only
+    assert asm.num_partials == 3 and all(len(partial.run) == 1 for partial in asm._partials.values())
