@@ -276,8 +276,12 @@ class CopyJobs:
                 job()
             except BaseException as error:  # counted where the rows are read (`CopyFailed`), never raised here
                 done.error = error
+            # The job's references to the forward's tensors go now, not at the next job, and before its waiter
+            # learns it ran: a tensor freed on this daemon thread while the interpreter shuts down (the waiter
+            # was the last thing the main thread did) takes the GIL in its deleter and aborts the process.
+            del job
             done.event.set()
-            del job, done  # the job's references to the forward's tensors go now, not at the next job
+            del done
 
 
 _SAME_WIDTH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -3,6 +3,7 @@ into a few blocks per capture. The records' parity on real servers is in tests/t
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -81,6 +82,24 @@ def test_a_failed_copy_is_raised_where_its_rows_are_read_and_the_thread_goes_on(
     jobs.submit(lambda: ran.append(1))()
     assert ran == [1]
     assert issubclass(CopyFailed, ValueError)  # the sender drops and counts a capture whose rows it cannot read
+
+
+def test_a_job_and_what_it_holds_are_freed_before_its_waiter_is_released() -> None:
+    """A forward's tensor freed on the daemon copy thread while the interpreter shuts down takes the GIL in its
+    deleter and aborts the process ("terminate called without an active exception"): a process whose last act
+    is waiting for a copy must find the job's references gone by then."""
+    go, box, released_when_freed = threading.Event(), {}, []
+
+    class Held:
+        def __del__(self) -> None:
+            released_when_freed.append(box["wait"].__self__.event.is_set())
+
+    held = Held()
+    box["wait"] = CopyJobs().submit(lambda held=held: go.wait())
+    del held
+    go.set()
+    box["wait"]()
+    assert released_when_freed == [False]
 
 
 def test_joined_pieces_keep_their_order_and_give_their_slabs_back() -> None:
