@@ -426,14 +426,7 @@ class DeferredHostCopier(RowCopier):
             np.concatenate([source_aux[start:end] for start, end in ranges], out=_ints(host_aux))
             np.concatenate([source_final[start:end] for start, end in ranges], out=_ints(host_final))
 
-        ready = self.jobs.submit(job)
-        rows, offset = [], 0
-        for start, end in ranges:
-            count = end - start
-            rows.append(HostRows(aux=host_aux[offset : offset + count], final=host_final[offset : offset + count],
-                                 ready=ready))
-            offset += count
-        return rows
+        return _cut_rows(host_aux, host_final, ranges, ready=self.jobs.submit(job))
 
     def gather_verify(self, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor, positions: list[int],
                       num_draft_tokens: int) -> VerifyRows:
@@ -451,13 +444,20 @@ def cut_slab(lease: SlabLease, ranges: RowRanges, aux_width: int, final_width: i
     assert lease.buffer.numel() >= aux_nbytes + final_nbytes, "the slab is smaller than the rows it holds"
     host_aux = lease.buffer[:aux_nbytes].view(dtype).view(num_rows, aux_width)  # (N, K*H)
     host_final = lease.buffer[aux_nbytes : aux_nbytes + final_nbytes].view(dtype).view(num_rows, final_width)  # (N, H)
+    return host_aux, host_final, _cut_rows(host_aux, host_final, ranges, lease=lease)
+
+
+def _cut_rows(host_aux: torch.Tensor, host_final: torch.Tensor, ranges: RowRanges, *,
+              ready: Callable[[], None] | None = None, lease: SlabLease | None = None) -> list[HostRows]:
+    """One HostRows per range, cut in order from rows laid out back to back in host_aux (N, K*H) and
+    host_final (N, H)."""
     rows, offset = [], 0
     for start, end in ranges:
         count = end - start
         rows.append(HostRows(aux=host_aux[offset : offset + count], final=host_final[offset : offset + count],
-                             lease=lease))
+                             ready=ready, lease=lease))
         offset += count
-    return host_aux, host_final, rows
+    return rows
 
 
 def slab_nbytes(ranges: RowRanges, aux: torch.Tensor, final: torch.Tensor) -> int:
