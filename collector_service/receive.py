@@ -9,8 +9,8 @@ What must hold:
   once as every reader decodes it (decoded checksums, token ids, the codec's true output size) before
   it is handed to the writer: what no reader accepts is refused here, not acknowledged and lost later;
 - decoding is bounded: a record may decode to at most max_expansion_ratio times its frame's bytes
-  (checked from the header, before decoding), at most max_concurrent_decodes frames decode at once,
-  and always in a thread, off the event loop; a refused frame's buffer goes back to the pool.
+  (checked from the header, before decoding), at most max_concurrent_decodes frames are checked at once,
+  and always in a thread, off the event loop, one hop a frame; a refused frame's buffer goes back to the pool.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from capture_format import (
     FRAME_PREFIX_NBYTES,
     CaptureFormatError,
     FrameInfo,
-    decode_frame,
+    decode_inspected_frame,
     inspect_frame,
     read_frame_prefix,
 )
@@ -192,23 +192,25 @@ def _runs_past(frame_nbytes: int) -> ApiError:
 
 
 async def check_frame(view: memoryview, settings: CollectorSettings, decode_slots: asyncio.Semaphore) -> FrameInfo:
-    """What every reader checks, in a thread: inspect_frame, a bound on the decoded size, then one full decode."""
-    try:
-        info = await asyncio.to_thread(inspect_frame, view)
-    except CaptureFormatError as err:
-        raise api_error_from_format_error(err) from None
+    """What every reader checks, in one thread hop (a hop costs the event loop tens of microseconds, a frame of
+    a short record a few hundred in all): inspect_frame, a bound on the decoded size, then one full decode."""
+    async with decode_slots:
+        try:
+            return await asyncio.to_thread(_check_frame, view, settings.max_expansion_ratio)
+        except CaptureFormatError as err:
+            raise api_error_from_format_error(err) from None
+
+
+def _check_frame(view: memoryview, max_expansion_ratio: float) -> FrameInfo:
+    info = inspect_frame(view)
     decoded_nbytes = sum(tensor.raw_nbytes for tensor in info.tensors)
-    max_decoded_nbytes = int(settings.max_expansion_ratio * view.nbytes)
+    max_decoded_nbytes = int(max_expansion_ratio * view.nbytes)
     if decoded_nbytes > max_decoded_nbytes:
         raise ApiError(
             413,
             "expands_too_much",
             f"the {view.nbytes}-byte frame decodes to {decoded_nbytes} bytes, over max_expansion_ratio="
-            f"{settings.max_expansion_ratio:g} times its size; send it with a weaker codec",
+            f"{max_expansion_ratio:g} times its size; send it with a weaker codec",
         )
-    async with decode_slots:
-        try:
-            await asyncio.to_thread(decode_frame, view)  # decoded checksums, token ids, true output sizes
-        except CaptureFormatError as err:
-            raise api_error_from_format_error(err) from None
+    decode_inspected_frame(view, info)  # decoded checksums, token ids, true output sizes
     return info

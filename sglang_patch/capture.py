@@ -72,7 +72,16 @@ import torch
 
 from capture_format.records import num_span_positions
 from capture_format.tag import CaptureTag
-from sglang_patch.device_copy import HostCopier, HostRows, RowCopier, RowPiece, host_cat, host_copy, release_pieces
+from sglang_patch.device_copy import (
+    HostCopier,
+    HostRows,
+    RowCopier,
+    RowPiece,
+    VerifyRows,
+    host_cat,
+    host_copy,
+    release_pieces,
+)
 from sglang_patch.selection import PrefixPlan, Selection, Selector, is_sampled
 from sglang_patch.speculative import METADATA_KEY, SpecServing, served_draft_metadata, verified_steps
 from sglang_patch.stats import CaptureStats
@@ -205,9 +214,10 @@ class _Partial:
     chunks: list[HostRows]
     num_rows: int
     updated_at: float
-    pending: list[tuple[HostRows, int]] = dataclasses.field(default_factory=list)
+    pending: list[tuple[HostRows | VerifyRows, int, int]] = dataclasses.field(default_factory=list)
     """Verify steps' candidate rows, oldest first, until the scheduler says how many each step accepted: (the
-    step's block, the first of this request's rows in it); each holds the block's lease once."""
+    step's block, the first of this request's rows in it, the request's position in the verified batch); each
+    holds the block's lease once."""
     run: list[RowPiece] = dataclasses.field(default_factory=list)
     """The rows kept of verify steps, oldest first, not yet joined into a chunk: they follow the chunks."""
     run_held_nbytes: int = 0
@@ -262,12 +272,17 @@ class _Partial:
         self.chunks_start = end
         return taken
 
+    def drop_pending(self) -> None:
+        """Gives up the verify steps not processed yet (their holds on their blocks)."""
+        release_pieces([(block, start, start) for block, start, _ in self.pending])
+        self.pending = []
+
     def release(self) -> None:
         for chunk in self.chunks:
             chunk.release()
-        release_pieces([(block, start, start) for block, start in self.pending])
+        self.drop_pending()
         release_pieces(self.run)
-        self.pending, self.run, self.run_held_nbytes = [], [], 0
+        self.run, self.run_held_nbytes = [], 0
 
 
 class CaptureAssembler:
@@ -385,68 +400,82 @@ class CaptureAssembler:
         """Take the candidate rows of one verify forward (`speculative.py`): aux (bs * D, K*H), final (bs * D, H),
         accept_index (bs, num_steps + 1) the accepted tree path's rows, -1 past its end, D = num_draft_tokens.
         One block for all captured requests (`RowCopier.gather_verify`); the requests are found from the
-        running generate captures (`_Partial.req`), so the requests not captured cost nothing in Python."""
+        running generate captures (`_Partial.req`), so the requests not captured cost nothing in Python, and each
+        captured one's position in the batch is noted for `on_verify_processed`."""
         now = time.monotonic()
         taken: list[_Partial] = []
         positions: list[int] = []
-        for rid, partial in list(self._generating.items()):
+        missing: list[str] = []
+        for rid, partial in self._generating.items():
             req = partial.req
             try:
                 position = reqs.index(req)
             except ValueError:  # not in this batch (its prefill is still running, or it was retracted)
                 continue
-            if partial.rows_end < len(req.origin_input_ids):  # a prompt chunk never came
-                self._abandon(rid, "missing_rows", now)
-                continue
-            if partial.verify_ct_base is None:
+            if partial.verify_ct_base is None:  # its first verify step: rows are added by verify steps from now on
+                if partial.rows_end < len(req.origin_input_ids):  # a prompt chunk never came
+                    missing.append(rid)
+                    continue
                 partial.verify_ct_base = int(getattr(req, "spec_verify_ct", 0)) - len(partial.accepted)
             taken.append(partial)
             positions.append(position)
+        for rid in missing:
+            self._abandon(rid, "missing_rows", now)
         if taken:
             block = self._copier.gather_verify(aux, final, accept_index, positions, num_draft_tokens)
             if block is None:  # no host buffer free: drop these captures rather than wait
                 for position in positions:
                     self._abandon(reqs[position].rid, "host_buffers_full", now)
             else:
-                width = accept_index.shape[1]
-                for slot, partial in enumerate(taken):
-                    partial.pending.append((block, slot * width))
+                width, start = accept_index.shape[1], 0
+                for partial, position in zip(taken, positions):
+                    partial.pending.append((block, start, position))
                     partial.updated_at = now
+                    start += width
         self._maybe_sweep(now)
 
     def on_verify_processed(self, reqs: list, num_correct_drafts: list[int]) -> None:
         """After the scheduler processed a verify step: keep the rows of the tokens each captured request
         accepted (SGLang's own per-request count), note the count, and check that rows and tokens still agree.
         The rows kept are noted, not copied; they are joined into a chunk every `_RUN_MAX_STEPS` steps and
-        where a part is due (`_flush_run`)."""
-        now = time.monotonic()
-        for rid, partial in list(self._generating.items()):
-            if not partial.pending:
+        where a part is due (`_flush_run`). One pass over the generating captures, each finding its request at
+        the position `on_verify` noted (the scheduler processes the batch it verified)."""
+        misaligned: list[str] = []
+        for rid, partial in self._generating.items():
+            pending = partial.pending
+            if not pending:
                 continue
             req = partial.req
-            try:
-                num_correct = num_correct_drafts[reqs.index(req)]
-            except ValueError:
-                continue
-            block, start = partial.pending.pop(0)
+            block, start, position = pending[0]
+            if position >= len(reqs) or reqs[position] is not req:
+                try:
+                    position = reqs.index(req)
+                except ValueError:
+                    continue
+            del pending[0]
+            accepted = partial.accepted
             # SGLang counts a step only for a request that was neither finished nor retracted before it.
-            if int(getattr(req, "spec_verify_ct", 0)) - partial.verify_ct_base <= len(partial.accepted):
+            if int(getattr(req, "spec_verify_ct", 0)) - partial.verify_ct_base <= len(accepted):
                 release_pieces([(block, start, start)])
                 continue
-            count = int(num_correct) + 1
+            count = int(num_correct_drafts[position]) + 1
             partial.run.append((block, start, start + count))  # the hold on the block's lease moves here
             partial.run_held_nbytes += block.held_nbytes
             partial.num_rows += count
-            partial.accepted.append(count - 1)
+            accepted.append(count - 1)
             if not req.finished() and partial.rows_end != len(req.origin_input_ids) + len(req.output_ids) - 1:
-                self._abandon(rid, "misaligned", now)
+                misaligned.append(rid)
                 continue
             if not partial.run_cut_rows:
                 partial.run_cut_rows = self._part_rows(partial) + 2
             if (len(partial.run) >= _RUN_MAX_STEPS or partial.run_held_nbytes >= _RUN_MAX_BYTES
                     or partial.num_rows >= partial.run_cut_rows):
                 self._flush_run(partial)
-                self._cut_parts(req, partial, now)
+                self._cut_parts(req, partial, time.monotonic())
+        if misaligned:
+            now = time.monotonic()
+            for rid in misaligned:
+                self._abandon(rid, "misaligned", now)
 
     def _flush_run(self, partial: _Partial) -> None:
         """Joins the verify rows noted into one chunk (the copy runs on the copy thread). Rows held only grow
@@ -597,8 +626,7 @@ class CaptureAssembler:
         if getattr(finished, "matched", None) == "NaN happened":  # SGLang's finish on non-finite logits
             self._discard(partial, "nan")
             return
-        release_pieces([(block, start, start) for block, start in partial.pending])  # steps after the finishing
-        partial.pending.clear()  # one (overlap scheduling)
+        partial.drop_pending()  # steps after the finishing one (overlap scheduling)
         self._flush_run(partial)
         prompt = list(req.origin_input_ids)
         generated = list(req.output_ids if req.finished_len is None else req.output_ids[: req.finished_len])

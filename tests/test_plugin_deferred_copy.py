@@ -92,7 +92,7 @@ def test_a_job_and_what_it_holds_are_freed_before_its_waiter_is_released() -> No
 
     class Held:
         def __del__(self) -> None:
-            released_when_freed.append(box["wait"].__self__.event.is_set())
+            released_when_freed.append(box["wait"].__self__.is_set())
 
     held = Held()
     box["wait"] = CopyJobs().submit(lambda held=held: go.wait())
