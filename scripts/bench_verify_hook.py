@@ -1,15 +1,15 @@
-"""What a verify step costs the scheduler's thread in the capture plugin, without a server.
+"""What a decode or verify step costs the scheduler's thread in the capture plugin, without a server.
 
-Drives `sglang_patch.capture.CaptureAssembler` as the plugin's hooks drive it on a replica serving an EAGLE-3
+Drives `sglang_patch.capture.CaptureAssembler` as the plugin's hooks drive it: on a replica serving an EAGLE-3
 draft (`on_verify` after each verify forward, `on_verify_processed` after the scheduler processed the step,
-`on_finished`), with the two CPU copiers:
-- `HostCopier`: the gather of the accepted paths' rows and their copy run on the calling (scheduler's) thread;
+`on_finished`) and on a draftless one (`on_decode` after each decode forward), with the two CPU copiers:
+- `HostCopier`: the gather of the captured rows and their copy run on the calling (scheduler's) thread;
 - `DeferredHostCopier` (the plugin's choice on CPU without a graph runner): references to the forward's outputs,
   the rows noted per request and joined on the copy thread.
-Prints the scheduler thread's CPU per captured token (thread CPU time of the two hook calls, the copy thread's
-work not counted: it is what leaves the scheduler's thread) for a batch of `--batch` requests of which all or one
-are captured, each step accepting `--accepted` drafts (so `--accepted + 1` tokens a step), at the tiny target's
-width and at Kimi-K2.5's.
+Prints the scheduler thread's CPU per captured token (thread CPU time of the hook calls, the copy thread's work
+not counted: it is what leaves the scheduler's thread) for a batch of `--batch` requests of which all or one are
+captured, each verify step accepting `--accepted` drafts (so `--accepted + 1` tokens a step; a decode step makes
+one), at the tiny target's width and at Kimi-K2.5's.
 
     .venv/bin/python scripts/bench_verify_hook.py [--steps 200] [--repeats 3]
 """
@@ -51,8 +51,9 @@ class Req(SimpleNamespace):
         return self.finished_reason is not None
 
 
-def run(copier_class, *, batch: int, captured: int, hidden: int, steps: int, accepted: int) -> float:
-    """The scheduler thread's CPU per captured token of one generation of `steps` verify steps, in us."""
+def run(copier_class, *, batch: int, captured: int, hidden: int, steps: int, accepted: int | None) -> float:
+    """The scheduler thread's CPU per captured token of one generation of `steps` verify steps (accepted None:
+    draftless decode steps), in us."""
     emitted: list = []
     asm = CaptureAssembler(stats=CaptureStats(), emit=emitted.append, copier=copier_class(),
                            served_draft=lambda: ("d" * 32, CHAIN))
@@ -66,10 +67,23 @@ def run(copier_class, *, batch: int, captured: int, hidden: int, steps: int, acc
     for req in reqs:
         req.output_ids.append(1)
     asm.on_finished(reqs)
+    cpu_ns = 0
+    if accepted is None:  # draftless: a decode step per token
+        for step in range(steps):
+            aux = torch.zeros((batch, aux_width), dtype=torch.bfloat16)  # (B, K*H), allocated anew per forward
+            final = torch.zeros((batch, hidden), dtype=torch.bfloat16)  # (B, H)
+            started = time.thread_time_ns()
+            asm.on_decode(reqs, aux, final)
+            cpu_ns += time.thread_time_ns() - started
+            for req in reqs:
+                req.output_ids.append(2)
+                if step == steps - 1:
+                    req.finished_reason = SimpleNamespace()
+            asm.on_finished(reqs)
+        return _checked(emitted, captured, cpu_ns, steps)
     accept_index = torch.full((batch, NUM_STEPS + 1), -1, dtype=torch.int32)  # (B, W): a chain's front
     for i in range(batch):
         accept_index[i, : accepted + 1] = torch.arange(i * NUM_DRAFT_TOKENS, i * NUM_DRAFT_TOKENS + accepted + 1)
-    cpu_ns = 0
     for step in range(steps):
         # Each verify forward allocates its outputs anew on CPU (the copier keeps references to them).
         aux = torch.zeros((batch * NUM_DRAFT_TOKENS, aux_width), dtype=torch.bfloat16)  # (B*D, K*H)
@@ -86,10 +100,14 @@ def run(copier_class, *, batch: int, captured: int, hidden: int, steps: int, acc
         asm.on_verify_processed(reqs, [accepted] * batch)
         cpu_ns += time.thread_time_ns() - started
         asm.on_finished(reqs)
+    return _checked(emitted, captured, cpu_ns, steps * (accepted + 1))
+
+
+def _checked(emitted: list, captured: int, cpu_ns: int, tokens_each: int) -> float:
     assert len(emitted) == captured, f"{len(emitted)} records emitted, {captured} captured"
     for record in emitted:
         record.states()  # waits for the copy thread: every row was copied
-    return cpu_ns / 1e3 / (captured * steps * (accepted + 1))
+    return cpu_ns / 1e3 / (captured * tokens_each)
 
 
 def main() -> None:
@@ -102,16 +120,18 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"{args.batch} requests a verify step, {args.accepted + 1} tokens kept a step, {args.steps} steps, "
           f"median (range) of {args.repeats} runs; scheduler thread CPU us per captured token")
-    print("| hidden | captured | HostCopier (copy on the scheduler's thread) | DeferredHostCopier (the plugin on CPU) |")
-    print("|---|---|---|---|")
-    for hidden in (128, 7168):
-        for captured in (args.batch, 1):
-            cells = []
-            for copier_class in (HostCopier, DeferredHostCopier):
-                values = [run(copier_class, batch=args.batch, captured=captured, hidden=hidden, steps=args.steps,
-                              accepted=args.accepted) for _ in range(args.repeats)]
-                cells.append(f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})")
-            print(f"| {hidden} | {captured} of {args.batch} | {cells[0]} | {cells[1]} |")
+    print("| forward | hidden | captured | HostCopier (copy on the scheduler's thread) | DeferredHostCopier (the plugin on "
+          "CPU) |")
+    print("|---|---|---|---|---|")
+    for accepted, forward in ((args.accepted, "verify"), (None, "decode (draftless)")):
+        for hidden in (128, 7168):
+            for captured in (args.batch, 1):
+                cells = []
+                for copier_class in (HostCopier, DeferredHostCopier):
+                    values = [run(copier_class, batch=args.batch, captured=captured, hidden=hidden, steps=args.steps,
+                                  accepted=accepted) for _ in range(args.repeats)]
+                    cells.append(f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})")
+                print(f"| {forward} | {hidden} | {captured} of {args.batch} | {cells[0]} | {cells[1]} |")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ on the copy thread (`RowCopier.join`), so a record reaches the sender in a few b
 The counts go into the record as `served_draft` metadata.
 
 A capture in "prefill" mode is emitted at the chunk that ends the prompt. One in "generate" mode
-(`capture_format.tag`) goes on taking one row per decode step and is emitted when its request
-finishes (`on_finished`, after the scheduler processed the batch): prompt + generated tokens, with
+(`capture_format.tag`) goes on taking one row per decode step (noted as a verify step's rows are: one
+block of the step's captured rows, `RowCopier.gather_decode`, joined with the steps after it) and is
+emitted when its request finishes (`on_finished`, after the scheduler processed the batch): prompt + generated tokens, with
 states for all but the last token (no forward ran on it). A retracted request (its KV freed under
 memory pressure) is prefilled again later over prompt + tokens so far; the rows it already has are
 kept and only rows past them are taken from the new prefill.
@@ -197,7 +198,7 @@ class CapturedSequence:
 
 
 _RUN_MAX_STEPS = 64
-"""Verify steps whose kept rows a capture notes before they are joined into one block (`RowCopier.join`): bounds
+"""Decode or verify steps whose kept rows a capture notes before they are joined into one block (`RowCopier.join`): bounds
 the candidate rows it keeps alive to 64 steps' blocks, while a 48-token answer is joined once, at its end."""
 _RUN_MAX_BYTES = 16 << 20
 """... and to 16 MiB of them (on CPU a step's block is the whole verify forward's outputs, kept by reference)."""
@@ -379,20 +380,39 @@ class CaptureAssembler:
         return True
 
     def on_decode(self, reqs: list, aux: torch.Tensor, final: torch.Tensor) -> None:
-        """Take the rows of one DECODE batch: row i is the state of request i's newest token."""
+        """Take the rows of one DECODE batch: row i is the state of request i's newest token. One block for all
+        captured requests (`RowCopier.gather_decode`: on CPU references to the forward's outputs, no tensor op),
+        each capture noting its row in it; the rows noted are joined as a verify step's are (`_flush_run`)."""
         now = time.monotonic()
-        taken: list[tuple[object, _Partial]] = []
-        ranges: list[tuple[int, int]] = []
-        for row, req in enumerate(reqs):
-            partial = self._partials.get(req.rid)
-            if partial is not None and partial.tag.mode == "generate":
-                if partial.rows_end < len(req.origin_input_ids):  # a prompt chunk never came: this row would
-                    self._abandon(req.rid, "missing_rows", now)  # take the place of one of its rows
-                    continue
-                taken.append((req, partial))
-                ranges.append((row, row + 1))
+        taken: list[_Partial] = []
+        positions: list[int] = []
+        generating = self._generating
+        for position, req in enumerate(reqs):
+            partial = generating.get(req.rid)
+            if partial is None:
+                continue
+            if partial.rows_end < len(req.origin_input_ids):  # a prompt chunk never came: this row would
+                self._abandon(req.rid, "missing_rows", now)  # take the place of one of its rows
+                continue
+            taken.append(partial)
+            positions.append(position)
         if taken:
-            self._copy(taken, ranges, aux, final, now, prefill=False)
+            block = self._copier.gather_decode(aux, final, positions)
+            if block is None:  # no host buffer free: drop these captures rather than wait
+                for position in positions:
+                    self._abandon(reqs[position].rid, "host_buffers_full", now)
+            else:
+                for slot, (partial, position) in enumerate(zip(taken, positions)):
+                    partial.run.append((block, slot, slot + 1))  # the hold on the block's lease moves here
+                    partial.run_held_nbytes += block.held_nbytes
+                    partial.num_rows += 1
+                    partial.updated_at = now
+                    if not partial.run_cut_rows:
+                        partial.run_cut_rows = self._part_rows(partial) + 2
+                    if (len(partial.run) >= _RUN_MAX_STEPS or partial.run_held_nbytes >= _RUN_MAX_BYTES
+                            or partial.num_rows >= partial.run_cut_rows):
+                        self._flush_run(partial)
+                        self._cut_parts(reqs[position], partial, now)
         self._maybe_sweep(now)
 
     def on_verify(self, reqs: list, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor,
@@ -595,6 +615,8 @@ class CaptureAssembler:
                 self._abandon(req.rid, "host_buffers_full", now)
             return
         for (req, partial), rows in zip(taken, copied):
+            if partial.run:  # a retracted request's new prefill: its rows follow those its steps kept
+                self._flush_run(partial)
             partial.chunks.append(rows)
             partial.num_rows += rows.aux.shape[0]
             partial.updated_at = now

@@ -188,14 +188,14 @@ class VerifyRows:
     __slots__ = ("aux", "final", "accept_index", "positions", "num_draft_tokens", "width", "held_nbytes")
     lease = None
 
-    def __init__(self, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor, positions: list[int],
+    def __init__(self, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor | None, positions: list[int],
                  num_draft_tokens: int) -> None:
         self.aux = aux  # (bs * D, K*H), the forward's own
         self.final = final  # (bs * D, H)
-        self.accept_index = accept_index  # (bs, W)
+        self.accept_index = accept_index  # (bs, W); None: a decode forward (D = W = 1, request i's row is row i)
         self.positions = positions
         self.num_draft_tokens = num_draft_tokens
-        self.width = accept_index.shape[1]
+        self.width = 1 if accept_index is None else accept_index.shape[1]
         self.held_nbytes = aux.nbytes + final.nbytes
 
     @property
@@ -214,8 +214,11 @@ class VerifyRows:
         assert 0 <= first <= last <= self.width, "a piece lies within one request's rows"
         position = self.positions[slot]
         block = position * self.num_draft_tokens
+        aux_rows = _ints(self.aux)[block + first : block + last]
+        if self.accept_index is None:  # a decode forward's row
+            return aux_rows, _ints(self.final)[block + first : block + last]
         path = self.accept_index.numpy()[position, first:last].astype(np.int64).clip(min=0)  # (n,)
-        return _ints(self.aux)[block + first : block + last], _ints(self.final)[path]
+        return aux_rows, _ints(self.final)[path]
 
 
 RowPiece = tuple["HostRows | VerifyRows", int, int]
@@ -327,12 +330,22 @@ class RowCopier:
     def copy(self, aux: torch.Tensor, final: torch.Tensor, ranges: RowRanges) -> list[HostRows] | None:
         raise NotImplementedError
 
-    def gather_verify(self, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor, positions: list[int],
-                      num_draft_tokens: int) -> HostRows | VerifyRows | None:
+    def gather_decode(self, aux: torch.Tensor, final: torch.Tensor,
+                      positions: list[int]) -> HostRows | VerifyRows | None:
+        """The rows of one decode forward (row i: request i's newest token) of the requests at `positions`, as one
+        block of one row per position, in order; its lease (if any) has one holder per position. None: dropped."""
+        return self.gather_verify(aux, final, None, positions, 1)
+
+    def gather_verify(self, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor | None,
+                      positions: list[int], num_draft_tokens: int) -> HostRows | VerifyRows | None:
         """The candidate rows of one verify forward for the requests at `positions` (batch order), as one block
         of n * W rows, W = accept_index.shape[1]: request i's W rows at [i * W, (i + 1) * W), the aux rows at
         the front of its block of num_draft_tokens and the final rows along its accepted path (`accept_index`,
-        -1 past its end: any row). Its lease (if any) has one holder per position. None: no room (dropped)."""
+        -1 past its end: any row). Its lease (if any) has one holder per position. None: no room (dropped).
+        accept_index None: a decode forward (`gather_decode`)."""
+        if accept_index is None:
+            rows = torch.tensor(positions, dtype=torch.int64, device=aux.device)
+            return self._copy_block(aux[rows], final[rows.to(final.device)], positions, 1)  # (n, K*H), (n, H)
         width = accept_index.shape[1]
         rows = torch.tensor(positions, dtype=torch.int64, device=accept_index.device)
         # Top-k 1: the accepted path is the front of each block. Top-k > 1: SGLang has moved the path's aux
@@ -341,6 +354,10 @@ class RowCopier:
                  + torch.arange(width, dtype=torch.int64, device=rows.device)).reshape(-1)  # (n * W,)
         path = accept_index[rows].to(torch.int64).clamp(min=0).reshape(-1)  # (n * W,)
         aux_rows, final_rows = aux[front.to(aux.device)], final[path.to(final.device)]  # (n*W, K*H), (n*W, H)
+        return self._copy_block(aux_rows, final_rows, positions, width)
+
+    def _copy_block(self, aux_rows: torch.Tensor, final_rows: torch.Tensor, positions: list[int],
+                    width: int) -> HostRows | None:
         copied = self.copy(aux_rows, final_rows, [(0, len(positions) * width)])
         if copied is None:
             return None
@@ -420,10 +437,10 @@ class DeferredHostCopier(RowCopier):
     runner the outputs come from a compiled graph whose buffers we have not proven fresh per replay: the
     hook then copies on its own thread (`HostCopier`), as before.
 
-    A verify forward's candidate rows are not copied at all until a capture's kept rows are joined
-    (`gather_verify` returns references, `VerifyRows`): the scheduler's thread runs no tensor operation for a
-    verify step. A capture joins its rows at least every 64 steps and 16 MiB of outputs kept alive
-    (`capture._RUN_MAX_STEPS`, `_RUN_MAX_BYTES`)."""
+    A decode or verify forward's rows are not copied at all until a capture's kept rows are joined
+    (`gather_decode` and `gather_verify` return references, `VerifyRows`): the scheduler's thread runs no tensor
+    operation for a decode or verify step. A capture joins its rows at least every 64 steps and 16 MiB of outputs
+    kept alive (`capture._RUN_MAX_STEPS`, `_RUN_MAX_BYTES`)."""
 
     def copy(self, aux: torch.Tensor, final: torch.Tensor, ranges: RowRanges) -> list[HostRows]:
         num_rows = sum(end - start for start, end in ranges)
@@ -439,8 +456,8 @@ class DeferredHostCopier(RowCopier):
 
         return _cut_rows(host_aux, host_final, ranges, ready=self.jobs.submit(job))
 
-    def gather_verify(self, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor, positions: list[int],
-                      num_draft_tokens: int) -> VerifyRows:
+    def gather_verify(self, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor | None,
+                      positions: list[int], num_draft_tokens: int) -> VerifyRows:
         # References only: `join` reads the rows kept of each step straight from the forward's outputs.
         return VerifyRows(aux, final, accept_index, positions, num_draft_tokens)
 
