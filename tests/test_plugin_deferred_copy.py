@@ -22,7 +22,7 @@ from sglang_patch.device_copy import (
     VerifyRows,
 )
 from sglang_patch.stats import CaptureStats
-from test_spec_capture_units import CHAIN, SpecReq, check_rows, prefill, verify
+from test_spec_capture_units import CHAIN, SpecReq, check_rows, positions_rows, prefill, verify
 
 
 def states(num_rows: int, width: int, dtype=torch.bfloat16) -> torch.Tensor:
@@ -171,3 +171,39 @@ def test_a_verify_step_runs_no_tensor_op_on_the_schedulers_thread() -> None:
         asm.on_verify_processed(reqs, [1, 0, 3])
     assert verify_ops.ops == [] and processed_ops.ops == []  # references and counts only
     assert asm.num_partials == 3 and all(len(partial.run) == 1 for partial in asm._partials.values())
+
+
+def decode(asm, reqs: list[SpecReq], *, finish: bool = False, ops: list[str] | None = None) -> None:
+    """One draftless decode step: row i is the state of request i's newest token. ops: gets the tensor operations
+    the hook ran."""
+    rows = [positions_rows(req.number, [len(req.full_untruncated_fill_ids) - 1]) for req in reqs]
+    aux, final = torch.cat([aux for aux, _ in rows]), torch.cat([final for _, final in rows])  # (B, K*H), (B, H)
+    with AtenOps() as hook_ops:
+        asm.on_decode(reqs, aux, final)
+    if ops is not None:
+        ops.extend(hook_ops.ops)
+    for req in reqs:
+        req.output_ids.append(7000 + len(req.output_ids))
+        if finish:
+            req.finished_reason = type("FINISH_LENGTH", (), {})()
+    asm.on_finished(reqs)
+
+
+def test_a_draftless_decode_step_runs_no_tensor_op_and_its_rows_reach_the_sender_in_a_few_blocks() -> None:
+    """Two of three requests captured: a decode step's rows are references to the forward's outputs, noted per
+    capture and joined every 64 steps, not copied per step (`RowCopier.gather_decode`)."""
+    emitted: list = []
+    asm = deferred_assembler(emitted)
+    reqs = [SpecReq(1, 5), SpecReq(4, 2), SpecReq(2, 3)]  # rid-4 is not captured
+    prefill(asm, reqs)
+    decode_ops: list[str] = []
+    decode(asm, reqs, ops=decode_ops)
+    assert decode_ops == []
+    assert asm.num_partials == 2 and all(len(partial.run) == 1 for partial in asm._partials.values())
+    for step in range(1, 150):
+        decode(asm, reqs, finish=step == 149)
+    assert sorted(captured.tag.record_id for captured in emitted) == ["rec-1", "rec-2"]
+    for captured in emitted:
+        assert len(captured.chunks) == 1 + 3  # the prompt's, then one per 64 decode steps
+        assert captured.num_states == len(captured.token_ids) - 1
+        check_rows(captured, int(captured.tag.record_id[-1]))
