@@ -613,12 +613,16 @@ def test_agents_on_an_object_store_registry_roll_out_canary_first_and_survive_a_
         record = reader.agent_replica(url) or {}
         return record if record.get("version") == version else None
 
+    def swapped(url: str, version: str):  # an agent stores the replica's record, then notes the swap
+        return next((event for event in reader.agent_events(url)
+                     if event["kind"] == "swapped" and event["version"] == version), None)
+
     threads = [threading.Thread(target=client, daemon=True)]
     try:
         for url in (a, b):  # first contact: each agent puts v0001 in, its target checked
-            wait_for(lambda url=url: serves(url, "v0001"), f"{url} on v0001", logs=tuple(logs.values()))
-        assert all(next(e for e in reader.agent_events(url) if e["kind"] == "swapped")["target_checked"]
-                   for url in (a, b))
+            wait_for(lambda url=url: serves(url, "v0001") and swapped(url, "v0001"), f"{url} on v0001",
+                     logs=tuple(logs.values()))
+        assert all(swapped(url, "v0001")["target_checked"] for url in (a, b))
         phase("both replicas on v0001")
         for thread in threads:
             thread.start()
@@ -635,7 +639,7 @@ def test_agents_on_an_object_store_registry_roll_out_canary_first_and_survive_a_
             bad = loop.registry.add_version(rig.untrained, parent=good, made={"how": "untrained, claims more"}).name
             loop.registry.set_version_info(bad, probe={"served_walk": served_acceptance(a, probe), "num_steps": 3,
                                                        "max_new_tokens": MAX_NEW_TOKENS})
-            wait_for(lambda: serves(b, good), f"{b} on {good}", logs=tuple(logs.values()))
+            wait_for(lambda: serves(b, good) and swapped(b, good), f"{b} on {good}", logs=tuple(logs.values()))
             phase("b on the good version")
             failed = loop.promote(bad)
             phase("bad version rolled back")
@@ -676,18 +680,19 @@ def test_agents_on_an_object_store_registry_roll_out_canary_first_and_survive_a_
     finally:
         stop.set()
         for thread in threads:
-            thread.join(timeout=120)
-        for process in agents.values():
+            if thread.ident is not None:  # started
+                thread.join(timeout=120)
+        for process in agents.values():  # no agent may go on swapping the replicas the next tests use
             process.terminate()
             process.wait(timeout=30)
+        with rig.loop() as loop:  # the local registry's replicas back on the version it records, for the next test
+            loop.bring_up_to_date()
     assert failures == [] and answers
     assert all(output == rig.reference[which] for which, output in answers)
     print(f"{len(answers)} requests while the agents swapped, none failed, every answer the draftless server's")
     status = reader.state()
     assert status["promoted"] == third and status["pending"] is None
     assert status["versions"][bad]["state"] == "rolled_back"
-    with rig.loop() as loop:  # the local registry's replicas back on the version it records, for the next test
-        loop.bring_up_to_date()
 
 
 def loop_promote_args(rig, draft: Path, *more: str) -> list[str]:
