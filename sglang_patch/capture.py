@@ -21,10 +21,10 @@ The counts go into the record as `served_draft` metadata.
 A capture in "prefill" mode is emitted at the chunk that ends the prompt. One in "generate" mode
 (`capture_format.tag`) goes on taking one row per decode step (noted as a verify step's rows are: one
 block of the step's captured rows, `RowCopier.gather_decode`, joined with the steps after it) and is
-emitted when its request finishes (`on_finished`, after the scheduler processed the batch): prompt + generated tokens, with
-states for all but the last token (no forward ran on it). A retracted request (its KV freed under
-memory pressure) is prefilled again later over prompt + tokens so far; the rows it already has are
-kept and only rows past them are taken from the new prefill.
+emitted when its request finishes (`on_finished`, after the scheduler processed the batch): prompt +
+generated tokens, with states for all but the last token (no forward ran on it). A retracted request
+(its KV freed under memory pressure) is prefilled again later over prompt + tokens so far; the rows it
+already has are kept and only rows past them are taken from the new prefill.
 
 A long capture is sent in parts (`capture_format.parts`): once a capture holds more rows than a part
 (`part_max_tokens`, `part_max_bytes`), the oldest part's rows go to the sender as a part of their own,
@@ -198,8 +198,9 @@ class CapturedSequence:
 
 
 _RUN_MAX_STEPS = 64
-"""Decode or verify steps whose kept rows a capture notes before they are joined into one block (`RowCopier.join`): bounds
-the candidate rows it keeps alive to 64 steps' blocks, while a 48-token answer is joined once, at its end."""
+"""Decode or verify steps whose kept rows a capture notes before they are joined into one block
+(`RowCopier.join`): bounds the candidate rows it keeps alive to 64 steps' blocks, while a 48-token answer is
+joined once, at its end."""
 _RUN_MAX_BYTES = 16 << 20
 """... and to 16 MiB of them (on CPU a step's block is the whole verify forward's outputs, kept by reference)."""
 
@@ -220,7 +221,7 @@ class _Partial:
     step's block, the first of this request's rows in it, the request's position in the verified batch); each
     holds the block's lease once."""
     run: list[RowPiece] = dataclasses.field(default_factory=list)
-    """The rows kept of verify steps, oldest first, not yet joined into a chunk: they follow the chunks."""
+    """The rows kept of decode or verify steps, oldest first, not yet joined into a chunk: they follow the chunks."""
     run_held_nbytes: int = 0
     """Host bytes the blocks of `run` keep alive (counted once per step)."""
     run_cut_rows: int = 0
@@ -272,6 +273,13 @@ class _Partial:
         self.num_rows -= end - self.chunks_start
         self.chunks_start = end
         return taken
+
+    def note_rows(self, block: HostRows | VerifyRows, start: int, end: int) -> None:
+        """Notes rows [start, end) of a decode or verify step's block as this capture's next rows; the hold on the
+        block's lease moves to `run`."""
+        self.run.append((block, start, end))
+        self.run_held_nbytes += block.held_nbytes
+        self.num_rows += end - start
 
     def drop_pending(self) -> None:
         """Gives up the verify steps not processed yet (their holds on their blocks)."""
@@ -403,16 +411,9 @@ class CaptureAssembler:
                     self._abandon(reqs[position].rid, "host_buffers_full", now)
             else:
                 for slot, (partial, position) in enumerate(zip(taken, positions)):
-                    partial.run.append((block, slot, slot + 1))  # the hold on the block's lease moves here
-                    partial.run_held_nbytes += block.held_nbytes
-                    partial.num_rows += 1
+                    partial.note_rows(block, slot, slot + 1)
                     partial.updated_at = now
-                    if not partial.run_cut_rows:
-                        partial.run_cut_rows = self._part_rows(partial) + 2
-                    if (len(partial.run) >= _RUN_MAX_STEPS or partial.run_held_nbytes >= _RUN_MAX_BYTES
-                            or partial.num_rows >= partial.run_cut_rows):
-                        self._flush_run(partial)
-                        self._cut_parts(reqs[position], partial, now)
+                    self._join_if_due(reqs[position], partial, now)
         self._maybe_sweep(now)
 
     def on_verify(self, reqs: list, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor,
@@ -458,10 +459,9 @@ class CaptureAssembler:
         """After the scheduler processed a verify step: keep the rows of the tokens each captured request
         accepted (SGLang's own per-request count), note the count, and check that rows and tokens still agree.
         The rows kept are noted, not copied; they are joined into a chunk every `_RUN_MAX_STEPS` steps and
-        where a part is due (`_flush_run`). One pass over the generating captures, each finding its request at
-        the position `on_verify` noted (the scheduler processes the batch it verified)."""
-        misaligned: list[str] = []
-        for rid, partial in self._generating.items():
+        where a part is due (`_flush_run`). Each capture finds its request at the position `on_verify` noted (the
+        scheduler processes the batch it verified)."""
+        for rid, partial in list(self._generating.items()):  # a capture may be dropped on the way (`_cut_parts`)
             pending = partial.pending
             if not pending:
                 continue
@@ -479,23 +479,22 @@ class CaptureAssembler:
                 release_pieces([(block, start, start)])
                 continue
             count = int(num_correct_drafts[position]) + 1
-            partial.run.append((block, start, start + count))  # the hold on the block's lease moves here
-            partial.run_held_nbytes += block.held_nbytes
-            partial.num_rows += count
+            partial.note_rows(block, start, start + count)
             accepted.append(count - 1)
             if not req.finished() and partial.rows_end != len(req.origin_input_ids) + len(req.output_ids) - 1:
-                misaligned.append(rid)
+                self._abandon(rid, "misaligned", time.monotonic())
                 continue
-            if not partial.run_cut_rows:
-                partial.run_cut_rows = self._part_rows(partial) + 2
-            if (len(partial.run) >= _RUN_MAX_STEPS or partial.run_held_nbytes >= _RUN_MAX_BYTES
-                    or partial.num_rows >= partial.run_cut_rows):
-                self._flush_run(partial)
-                self._cut_parts(req, partial, time.monotonic())
-        if misaligned:
-            now = time.monotonic()
-            for rid in misaligned:
-                self._abandon(rid, "misaligned", now)
+            self._join_if_due(req, partial, time.monotonic())
+
+    def _join_if_due(self, req, partial: _Partial, now: float) -> None:
+        """Joins the rows noted once they are `_RUN_MAX_STEPS` steps, `_RUN_MAX_BYTES` of outputs kept alive, or
+        past a part's rows (then hands the part to the sender)."""
+        if not partial.run_cut_rows:
+            partial.run_cut_rows = self._part_rows(partial) + 2
+        if (len(partial.run) >= _RUN_MAX_STEPS or partial.run_held_nbytes >= _RUN_MAX_BYTES
+                or partial.num_rows >= partial.run_cut_rows):
+            self._flush_run(partial)
+            self._cut_parts(req, partial, now)
 
     def _flush_run(self, partial: _Partial) -> None:
         """Joins the verify rows noted into one chunk (the copy runs on the copy thread). Rows held only grow

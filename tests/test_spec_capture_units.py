@@ -254,3 +254,30 @@ def test_a_weight_update_makes_the_plugin_identify_the_draft_again(tmp_path):
     assert hook.served_draft()[0] == first  # known: not computed again per record
     hook.on_weights_updated(None, object())
     assert hook.served_draft()[0] not in (first, "unknown")
+
+
+def test_a_part_the_sender_refuses_during_a_verify_step_drops_that_capture_alone():
+    """`_cut_parts` removes a capture whose part found no room while `on_verify_processed` goes through the
+    running captures: the others go on and close."""
+    emitted: list = []
+
+    def emit(captured) -> bool:
+        if captured.part_index is not None and captured.tag.record_id == "rec-1":
+            return False  # no room for rec-1's part
+        emitted.append(captured)
+        return True
+
+    asm = CaptureAssembler(stats=CaptureStats(), emit=emit, served_draft=lambda: ("d" * 32, CHAIN),
+                           part_max_tokens=6)
+    for number in range(1, 3):
+        asm.selector.on_request(SimpleNamespace(rid=f"rid-{number}", sampling_params=SimpleNamespace(
+            custom_params=CaptureTag(record_id=f"rec-{number}", sample_id=f"s-{number}", loss_spans=(),
+                                     mode="generate").to_custom_params()), cache_salt=None, input_embeds=None,
+            mm_inputs=None))
+    a, b = SpecReq(1, 5), SpecReq(2, 5)
+    prefill(asm, [a, b])
+    for step in range(4):
+        verify(asm, [a, b] if step < 2 else [b], [3, 3] if step < 2 else [3], finish={"rid-2"} if step == 3 else set())
+    assert asm.num_partials == 0
+    closing = [captured for captured in emitted if captured.part_index is None]
+    assert [captured.tag.record_id for captured in closing] == ["rec-2"] and closing[0].parts_before >= 1
