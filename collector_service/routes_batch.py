@@ -11,8 +11,8 @@ The body is frames back to back (Content-Type application/x-eagle-tap-frames). T
 Frames after the last entry were not read (the stream could not be split further, or the batch
 limit was reached): the sender sends them again. A batch is never all-or-nothing: every entry
 stands for itself, and since ids are idempotent, re-sending a stored frame only answers "duplicate".
-Frames are handed to the writer in body order while the rest of the body streams in, so one group
-commit covers many of them.
+Frames are checked a group at a time (`next_frames`) and handed to the writer in body order while the rest
+of the body streams in, so one group commit covers many of them.
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ from collector_service.receive_batch import (
     BATCH_CONTENT_TYPE,
     MAX_FRAMES_PER_BATCH,
     BodyReader,
-    FrameRejected,
-    next_frame,
+    next_frames,
 )
 from collector_service.store import RecordStore, SubmitOutcome
 
@@ -69,17 +68,18 @@ async def post_batch(request: Request, store: StoreDep) -> dict[str, Any]:
     try:
         async with asyncio.timeout(store.settings.receive_timeout_s):
             while len(entries) < MAX_FRAMES_PER_BATCH and not await reader.at_end():
-                try:
-                    frame = await next_frame(reader, store.settings, store.buffer_pool, store.decode_slots)
-                except FrameRejected as rejected:
-                    store.count_reject(rejected.error.reason)
-                    entries.append(_error_entry(rejected.error))
-                    continue
-                except ApiError as err:  # the rest of the body cannot be split into frames
-                    store.count_reject(err.reason)
-                    entries.append(_error_entry(err))
+                group = await next_frames(reader, store.settings, store.buffer_pool, store.decode_slots,
+                                          MAX_FRAMES_PER_BATCH - len(entries))
+                for frame in group.frames:
+                    if isinstance(frame, ApiError):  # a bad frame, read to its end: the batch goes on
+                        store.count_reject(frame.reason)
+                        entries.append(_error_entry(frame))
+                    else:
+                        entries.append(asyncio.create_task(store.submit(frame)))
+                if group.error is not None:  # the rest of the body cannot be split into frames
+                    store.count_reject(group.error.reason)
+                    entries.append(_error_entry(group.error))
                     break
-                entries.append(asyncio.create_task(store.submit(frame)))
     except TimeoutError:
         store.count_reject("receive_timeout")
         entries.append(_error_entry(ApiError(

@@ -45,6 +45,32 @@ def test_a_corrupt_frame_is_rejected_alone(collector: ThreadedCollector) -> None
     assert collector.stats()["num_records"] == 2
 
 
+def test_the_frames_of_a_batch_are_checked_a_group_at_a_time(collector: ThreadedCollector, monkeypatch) -> None:
+    """One thread hop checks the frames that came together (a hop a frame cost as much CPU as a short record's
+    check); a group stops near GROUP_MAX_BYTES, and a bad frame in a group is refused alone."""
+    from collector_service import receive, receive_batch
+
+    groups: list[int] = []
+    check_frames = receive._check_frames
+
+    def counted(views, max_expansion_ratio):
+        groups.append(len(views))
+        return check_frames(views, max_expansion_ratio)
+
+    monkeypatch.setattr(receive, "_check_frames", counted)
+    frames = [make_frame(f"group-{index}", num_tokens=4) for index in range(12)]
+    frames[5] = flip_bit(frames[5], len(frames[5]) - 3)
+    results = post_batch(collector, frames)
+    assert [result["status"] for result in results] == ["stored"] * 5 + ["rejected"] + ["stored"] * 6
+    assert groups == [12]
+    groups.clear()
+    monkeypatch.setattr(receive_batch, "GROUP_MAX_BYTES", 3 * len(frames[0]))
+    frames = [make_frame(f"small-group-{index}", num_tokens=4) for index in range(7)]
+    assert [result["status"] for result in post_batch(collector, frames)] == ["stored"] * 7
+    assert groups == [3, 3, 1]
+    assert collector.stats()["num_records"] == 11 + 7
+
+
 def test_a_body_cut_inside_a_frame_stores_what_came_before(collector: ThreadedCollector) -> None:
     frames = [make_frame("whole-1"), make_frame("whole-2"), make_frame("cut")]
     body = b"".join(frames)[:-10]
