@@ -38,13 +38,12 @@ from typing import Any
 from eagle_tap.bench import served
 from eagle_tap.bench.capture import start_all, tree_cpu_s
 from eagle_tap.bench.live import (
+    answer_all,
     chat_tokenizer,
+    collector_cpu_storing,
     count_complete,
     demo_prompts,
-    generate,
-    parallel,
     stored_records,
-    wait_records,
     warm_up,
 )
 from eagle_tap.testbed.collector_process import CollectorProcess
@@ -167,8 +166,7 @@ def measure(config: Config, draft: Path, work: Path) -> dict[str, Any]:
                 server, rids = servers[name], [f"spec{number}x{name}x{i:04d}" for i in range(len(batch))]
                 collector_cpu = tree_cpu_s(capturing[name][1].process.pid) if name in capturing else 0.0
                 cpu, started = tree_cpu_s(server.pid), time.perf_counter()
-                answers = parallel(lambda i: generate(server, batch[i], config.max_new_tokens, rid=rids[i], salt=False),
-                                   range(len(batch)), config.concurrency)
+                answers, answered = answer_all(server, batch, config.max_new_tokens, rids, config.concurrency)
                 row[f"{name}_s"] = time.perf_counter() - started
                 row[f"{name}_cpu_s"] = tree_cpu_s(server.pid) - cpu
                 row[f"{name}_tokens"] = sum(len(answer["output_ids"]) for answer in answers)
@@ -182,8 +180,8 @@ def measure(config: Config, draft: Path, work: Path) -> dict[str, Any]:
                         sampled.append(f"live-{rid}")
                         expected[sampled[-1]], meta_infos[sampled[-1]] = ids + answer["output_ids"], answer["meta_info"]
                 sampled_by[name] += sampled
-                wait_records(collector, sampled)
-                row[f"{name}_collector_cpu_s"] = tree_cpu_s(collector.process.pid) - collector_cpu
+                row[f"{name}_collector_cpu_s"] = collector_cpu_storing(
+                    collector, [f"live-{rid}" for rid in answered if is_sampled(rid, rate)], collector_cpu)
             for name in capturing:  # generated tokens per second (greedy answers may differ a little in length)
                 row[f"{name}_ratio"] = (row[f"{name}_tokens"] / row[f"{name}_s"]) / (row["absent_tokens"] / row["absent_s"])
                 row[f"{name}_cpu_ratio"] = row["absent_cpu_s"] / row[f"{name}_cpu_s"]

@@ -42,7 +42,7 @@ from typing import Any
 
 from eagle_tap.bench.capture import prompts as source_prompts
 from eagle_tap.bench.capture import start_all, tree_cpu_s
-from eagle_tap.bench.live import generate, parallel, wait_records, warm_up
+from eagle_tap.bench.live import answer_all, collector_cpu_storing, warm_up
 from eagle_tap.testbed.collector_process import CollectorProcess
 from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
@@ -288,14 +288,13 @@ def serve_mode(config: Config, mode: str, targets: dict[int, Path], work: Path) 
                 server, rids = servers[name], [f"wide{number}x{mode}x{name}x{i:03d}" for i in range(len(batch))]
                 collector_cpu = tree_cpu_s(capturing[name][1].process.pid) if name in capturing else 0.0
                 started = time.perf_counter()
-                answers = parallel(lambda i: generate(server, batch[i], config.max_new_tokens, rid=rids[i], salt=False),
-                                   range(len(batch)), config.concurrency)
+                answers, answered = answer_all(server, batch, config.max_new_tokens, rids, config.concurrency)
                 row[f"{name}_tokens_s"] = sum(len(answer["output_ids"]) for answer in answers) / \
                     (time.perf_counter() - started)
                 if name in capturing:
                     rate, collector = capturing[name]
-                    wait_records(collector, [f"live-{rid}" for rid in rids if is_sampled(rid, rate)])
-                    row[f"{name}_collector_cpu_s"] = tree_cpu_s(collector.process.pid) - collector_cpu
+                    row[f"{name}_collector_cpu_s"] = collector_cpu_storing(
+                        collector, [f"live-{rid}" for rid in answered if is_sampled(rid, rate)], collector_cpu)
             rows.append(row)
         for name in capturing:
             stats_after[name] = read_stats_file(work / f"spool-{name}" / "dp0" / "stats.json", newer_than=time.time())
