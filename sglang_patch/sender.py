@@ -230,7 +230,11 @@ class Sender:
                 return False
             self._inflight_bytes += size
             self._queue.append((time.monotonic(), captured))
-            self._condition.notify()
+            # Wake the sender thread only when it has something to start: a first capture (it starts the batch's
+            # age), or a full batch. Behind a first one it waits for the age anyway, and waking it for each
+            # capture cost it a thread wake-up (tens of microseconds of CPU on the serving cores) a record.
+            if len(self._queue) == 1 or self._inflight_bytes >= self._settings.batch_max_bytes:
+                self._condition.notify()
             return True
 
     def idle(self) -> bool:

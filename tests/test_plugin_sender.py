@@ -44,6 +44,30 @@ def test_queued_captures_share_posts_and_each_is_stored(tmp_path) -> None:
         assert all(collector.store.lookup(f"batched-{index}") is not None for index in range(20))
 
 
+def test_a_full_batch_goes_at_once_and_a_lone_capture_after_its_age(tmp_path) -> None:
+    """The sender thread is woken by a first capture and by a full batch, not by each capture between them."""
+    size = captured("probe").raw_nbytes
+    with ThreadedCollector(data_dir=tmp_path / "data") as collector:
+        sender, stats, _ = start_sender(tmp_path, collector.url, batch_max_age_s=5.0, batch_max_bytes=3 * size)
+        try:
+            started = time.monotonic()
+            for index in range(3):
+                sender.submit(captured(f"full-{index}"))
+                time.sleep(0.3)  # the sender thread is waiting for the batch's age by the next one
+            full = wait_for_count(stats, "sent", 3)
+            full_s = time.monotonic() - started
+            sender.submit(captured("lone"))
+            time.sleep(1.0)
+            early = stats.snapshot()["sent"]
+            lone = wait_for_count(stats, "sent", 4)
+            lone_s = time.monotonic() - started
+        finally:
+            sender.close()
+        assert full["sent"] == 3 and full["posts"] == 1 and full_s < 3.0, (full, full_s)
+        assert early == 3, "a lone capture waits for more up to batch_max_age_s"
+        assert lone["sent"] == 4 and lone_s >= 5.0, (lone, lone_s)
+
+
 def test_a_spool_filled_while_the_collector_was_down_drains_in_batches(tmp_path) -> None:
     down_url = "http://127.0.0.1:9"
     sender, stats, spool = start_sender(tmp_path, down_url, batch_max_age_s=0.0)
