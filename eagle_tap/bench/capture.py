@@ -126,6 +126,16 @@ def tree_cpu_s(pid: int | None) -> float:
     return total
 
 
+def main_thread_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process's main thread so far (a collector's: its event loop)."""
+    import psutil
+
+    for thread in psutil.Process(pid).threads():
+        if thread.id == pid:
+            return thread.user_time + thread.system_time
+    return 0.0
+
+
 def start_all(servers: list[SGLangServer]) -> None:
     """Starts the servers at once (start-up is mostly waiting); raises the first failure."""
     with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_tap.bench.capture import prompts as source_prompts
-from eagle_tap.bench.capture import start_all, tree_cpu_s
+from eagle_tap.bench.capture import main_thread_cpu_s, start_all, tree_cpu_s
 from eagle_tap.bench.live import answer_all, collector_cpu_storing, warm_up
 from eagle_tap.testbed.collector_process import CollectorProcess
 from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
@@ -111,7 +111,7 @@ def raw_bytes_per_token(hidden_size: int) -> int:
 
 # The sender alone ---------------------------------------------------------------------------------
 
-def _states(config: Config):
+def capture_states(config: Config):
     """bf16 bits (T, K+1, H) of one capture, shared by every capture of a run (read-only)."""
     from eagle_tap.bench.codecs import residual_like_states
 
@@ -142,8 +142,11 @@ def encode_only(config: Config, threads: int, states) -> dict[str, float]:
     return {"mb_s": raw / elapsed / 1e6, "ratio": raw / stored}
 
 
-def sender_to_collector(config: Config, threads: int, states, work: Path) -> dict[str, float]:
-    """The plugin's Sender with `threads` encoders against a real collector (fsync): raw MB/s, CPU per token."""
+def sender_to_collector(config: Config, threads: int, states, work: Path, *, chunks: int = 1, gap_s: float = 0.0,
+                        batch_max_age_s: float = 0.0) -> dict[str, float]:
+    """The plugin's Sender with `threads` encoders against a real collector (fsync): raw MB/s, CPU per token (the
+    collector's also on its event loop alone), POSTs. Each capture is `chunks` row blocks, one submitted every
+    `gap_s` seconds; the sender waits up to `batch_max_age_s` to fill a POST."""
     import torch
 
     from capture_format.tag import CaptureTag
@@ -157,29 +160,33 @@ def sender_to_collector(config: Config, threads: int, states, work: Path) -> dic
     tokens, hidden = config.capture_tokens, config.hidden_size
     rows = torch.from_numpy(states.view("int16")).view(torch.bfloat16)  # (T, K+1, H)
     aux, final = rows[:, :NUM_AUX_LAYERS].reshape(tokens, NUM_AUX_LAYERS * hidden), rows[:, NUM_AUX_LAYERS]
+    cuts = [round(index * tokens / chunks) for index in range(chunks + 1)]
     model = ModelIdentity(capture_layers=tuple(range(1, NUM_AUX_LAYERS + 1)), hidden_size=hidden,
                           model_fingerprint="bench@0", state_dtype="bfloat16", codec="bf16-split")
     collector = CollectorProcess(work / "data", extra_args=("--min-free-bytes", "0", "--log-level", "warning"))
     try:
         settings = CaptureSettings(collector_url=collector.url, spool_dir=work / "spool", sender_threads=threads,
-                                   sender_nice=0, batch_max_age_s=0.0, inflight_max_bytes=8 << 30)
+                                   sender_nice=0, batch_max_age_s=batch_max_age_s, inflight_max_bytes=8 << 30)
         stats = CaptureStats()
         sender = Sender(settings=settings, model=model, stats=stats, spool=Spool(settings.spool_dir / "dp0", 1 << 30),
                         stats_path=work / "stats.json")
         try:
-            collector_cpu_s, started = tree_cpu_s(collector.process.pid), time.perf_counter()
+            pid = collector.process.pid
+            collector_cpu_s, loop_cpu_s, started = tree_cpu_s(pid), main_thread_cpu_s(pid), time.perf_counter()
             for index in range(config.num_captures):
                 tag = CaptureTag(record_id=f"wide-{threads}-{index}", sample_id="bench", loss_spans=((0, tokens),))
-                sender.submit(CapturedSequence(tag=tag, token_ids=list(range(tokens)),
-                                               chunks=[HostRows(aux=aux, final=final)], loss_spans=tag.loss_spans,
-                                               num_states=tokens, metadata={}))
+                blocks = [HostRows(aux=aux[start:end], final=final[start:end]) for start, end in zip(cuts, cuts[1:])]
+                sender.submit(CapturedSequence(tag=tag, token_ids=list(range(tokens)), chunks=blocks,
+                                               loss_spans=tag.loss_spans, num_states=tokens, metadata={}))
+                if gap_s:
+                    time.sleep(gap_s)
             while stats.snapshot().get("sent", 0) < config.num_captures:
                 if time.perf_counter() - started > 600 or stats.snapshot()["dropped"]:
                     raise RuntimeError(f"the sender stored {stats.snapshot().get('sent', 0)} of {config.num_captures} "
                                        f"captures: {stats.summary()}")
                 time.sleep(0.005)
             elapsed = time.perf_counter() - started
-            collector_cpu_s = tree_cpu_s(collector.process.pid) - collector_cpu_s
+            collector_cpu_s, loop_cpu_s = tree_cpu_s(pid) - collector_cpu_s, main_thread_cpu_s(pid) - loop_cpu_s
         finally:
             sender.close()
     finally:
@@ -189,11 +196,12 @@ def sender_to_collector(config: Config, threads: int, states, work: Path) -> dic
     return {"mb_s": num_tokens * raw_bytes_per_token(hidden) / elapsed / 1e6,
             "sender_us": snapshot["sender_cpu_ns"] / 1e3 / num_tokens,
             "collector_us": collector_cpu_s * 1e6 / num_tokens,
-            "stored_bytes": snapshot["bytes_stored"] / num_tokens}
+            "collector_loop_us": loop_cpu_s * 1e6 / num_tokens,
+            "stored_bytes": snapshot["bytes_stored"] / num_tokens, "posts": snapshot["posts"]}
 
 
 def sender_alone(config: Config, work: Path) -> list[dict[str, Any]]:
-    states = _states(config)
+    states = capture_states(config)
     counts = config.thread_counts or tuple(sorted({1, 2, os.cpu_count() or 1}))
     rows = []
     for trial in range(config.trials):
