@@ -34,12 +34,12 @@ from capture_format.frames import (
     FramePrefix,
     codec_for_states,
     decode_frame,
-    decode_inspected_frame,
     encode_frame,
     frame_errors,
     inspect_frame,
     parse_frame_prefix,
     read_frame_prefix,
+    verify_inspected_frame,
 )
 from capture_format.records import (
     AUX_SEMANTICS,
@@ -114,7 +114,6 @@ __all__ = [
     "default_capture_layers",
     "validate_capture_layers",
     "decode_frame",
-    "decode_inspected_frame",
     "encode_frame",
     "frame_errors",
     "float32_from_bfloat16_bits",
@@ -131,6 +130,7 @@ __all__ = [
     "mask_from_spans",
     "num_span_positions",
     "spans_from_mask",
+    "verify_inspected_frame",
     "verify_shard",
     "write_shards",
 ]

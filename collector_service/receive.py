@@ -28,9 +28,9 @@ from capture_format import (
     FRAME_PREFIX_NBYTES,
     CaptureFormatError,
     FrameInfo,
-    decode_inspected_frame,
     inspect_frame,
     read_frame_prefix,
+    verify_inspected_frame,
 )
 from collector_service.buffers import BufferPool, BuffersExhausted
 from collector_service.errors import ApiError, api_error_from_format_error
@@ -233,5 +233,5 @@ def _check_frame(view: memoryview, max_expansion_ratio: float) -> FrameInfo:
             f"the {view.nbytes}-byte frame decodes to {decoded_nbytes} bytes, over max_expansion_ratio="
             f"{max_expansion_ratio:g} times its size; send it with a weaker codec",
         )
-    decode_inspected_frame(view, info)  # decoded checksums, token ids, true output sizes
+    verify_inspected_frame(view, info)  # decoded checksums, token ids, true output sizes
     return info

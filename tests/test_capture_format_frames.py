@@ -28,6 +28,7 @@ from capture_format import (
     inspect_frame,
     parse_frame_prefix,
     read_frame_prefix,
+    verify_inspected_frame,
 )
 
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
@@ -405,9 +406,10 @@ def test_decoded_checksum_mismatch_is_found_by_decode_not_inspect() -> None:
     header, payload = split_frame(FIXTURE)
     header["tensors"][2]["raw_xxh3_64"] = "0123456789abcdef"
     frame = build_frame(header, payload)
-    inspect_frame(frame)  # stored bytes are intact: the collector accepts them
-    with pytest.raises(ChecksumError, match="'final': decoded bytes hash to .* the header says 0123456789abcdef"):
-        decode_frame(frame)
+    info = inspect_frame(frame)  # stored bytes are intact: inspecting alone passes them
+    for decode in (decode_frame, lambda frame: verify_inspected_frame(frame, info)):
+        with pytest.raises(ChecksumError, match="'final': decoded bytes hash to .* the header says 0123456789abcdef"):
+            decode(frame)
 
 
 def test_negative_token_ids_in_a_well_formed_frame_are_an_invalid_record() -> None:
@@ -415,8 +417,11 @@ def test_negative_token_ids_in_a_well_formed_frame_are_an_invalid_record() -> No
     ids = np.array([1, -2, 3, 4, 5], dtype="<i4").tobytes()
     header["tensors"][0]["raw_xxh3_64"] = xxhash.xxh3_64_hexdigest(ids)
     frame = build_frame(*_resign_tensor(header, payload, 0, ids))
-    with pytest.raises(InvalidRecordError, match="non-negative"):
-        decode_frame(frame)
+    info = inspect_frame(frame)
+    for decode in (decode_frame, lambda frame: verify_inspected_frame(frame, info)):
+        with pytest.raises(InvalidRecordError, match="non-negative"):
+            decode(frame)
+
 
 
 def test_random_garbage_never_escapes_as_an_untyped_error() -> None:
