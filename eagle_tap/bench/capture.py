@@ -97,14 +97,26 @@ def run_round(server: SGLangServer, batch: list[list[int]], round_name: str, con
     return time.perf_counter() - started
 
 
-def wait_stored(collector: CollectorProcess, num_records: int, timeout_s: float = 120.0) -> float:
-    """Seconds until the collector holds num_records records."""
-    started = time.perf_counter()
+def wait_stored(collector: CollectorProcess, num_records: int, timeout_s: float = 120.0) -> tuple[float, int]:
+    """Seconds until the collector holds num_records records, asking every 5 ms, and how many times it asked
+    (`GET /v1/stats`: `stats_get_cpu_s` is what each cost the collector)."""
+    started, asked = time.perf_counter(), 1
     while (stored := collector.stats()["num_records"]) < num_records:
         if time.perf_counter() - started > timeout_s:
             raise RuntimeError(f"the collector holds {stored} of {num_records} records after {timeout_s:.0f} s")
         time.sleep(0.005)
-    return time.perf_counter() - started
+        asked += 1
+    return time.perf_counter() - started, asked
+
+
+def stats_get_cpu_s(collector: CollectorProcess, times: int = 200) -> float:
+    """The collector's CPU seconds (`threads_cpu_s`) per `GET /v1/stats` while it stores nothing, over `times` of
+    them: what `wait_stored`'s asking added to its CPU, taken off a round's (about 0.6 ms each here, and a round's
+    drain asks about a hundred times)."""
+    before = threads_cpu_s(collector.process.pid)
+    for _ in range(times):
+        collector.stats()
+    return (threads_cpu_s(collector.process.pid) - before) / times
 
 
 def tree_cpu_s(pid: int | None) -> float:
@@ -124,6 +136,20 @@ def tree_cpu_s(pid: int | None) -> float:
             continue
         total += times.user + times.system
     return total
+
+
+def threads_cpu_s(pid: int) -> float:
+    """CPU seconds of a process's live threads so far, to the nanosecond (`/proc/<pid>/task/*/schedstat`, user and
+    system): `tree_cpu_s` counts 10 ms ticks, coarser than a round's work at a low sampling rate (spec-capture at
+    10% stores a few milliseconds of records a round). Threads that ended are not counted: for a process whose
+    threads live as long as it does, as the collector's (its check threads are a pool's, kept)."""
+    total_ns = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total_ns += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
+    return total_ns / 1e9
 
 
 def main_thread_cpu_s(pid: int) -> float:
@@ -168,20 +194,23 @@ def run(config: Config) -> dict[str, Any]:
             cpu_before = tree_cpu_s(plain.pid)
             plain_s = run_round(plain, batch, f"plain-{round_number}", config.concurrency)
             plain_cpu_s = tree_cpu_s(plain.pid) - cpu_before
-            cpu_before, collector_before = tree_cpu_s(capturing.pid), tree_cpu_s(collector.process.pid)
+            cpu_before, collector_before = tree_cpu_s(capturing.pid), threads_cpu_s(collector.process.pid)
             capturing_s = run_round(capturing, batch, f"capturing-{round_number}", config.concurrency)
             num_sent += len(batch)
-            drain_s = wait_stored(collector, num_sent)
+            drain_s, asked = wait_stored(collector, num_sent)
             capturing_cpu_s = tree_cpu_s(capturing.pid) - cpu_before
-            collector_cpu_s = tree_cpu_s(collector.process.pid) - collector_before
+            collector_cpu_s = threads_cpu_s(collector.process.pid) - collector_before
             rows.append({"round": round_number, "plain_tokens_s": num_tokens / plain_s,
                          "capturing_tokens_s": num_tokens / capturing_s, "ratio": plain_s / capturing_s,
                          "drain_s": drain_s, "stored_ratio": plain_s / (capturing_s + drain_s),
                          "plain_cpu_us_token": plain_cpu_s / num_tokens * 1e6,
                          "capturing_cpu_us_token": capturing_cpu_s / num_tokens * 1e6,
-                         "collector_cpu_us_token": collector_cpu_s / num_tokens * 1e6})
+                         "collector_cpu_s": collector_cpu_s, "asked": asked})
         plugin_stats = read_stats_file(spool_dir / "dp0" / "stats.json", newer_than=time.time())
         stored_stats = collector.stats()
+        asking_s = stats_get_cpu_s(collector)
+        for row in rows:  # the collector's CPU storing the round's records, less the asking
+            row["collector_cpu_us_token"] = (row.pop("collector_cpu_s") - row["asked"] * asking_s) / num_tokens * 1e6
     finally:
         capturing.stop()
         plain.stop()
@@ -213,7 +242,8 @@ def run(config: Config) -> dict[str, Any]:
         "hook_us_per_token": hook_us, "hook_cpu_us_per_token": hook_cpu_us, "sender_cpu_us_per_token": sender_us,
         "capture_cpu_us_per_token": capture_cpu_us,
         "plain_cpu_us_per_token": plain_cpu_us, "capturing_cpu_us_per_token": capturing_cpu_us,
-        "collector_cpu_us_per_token": collector_cpu_us, "cpu_ratio": capture_cpu_ratio,
+        "collector_cpu_us_per_token": collector_cpu_us, "collector_stats_get_ms": asking_s * 1e3,
+        "cpu_ratio": capture_cpu_ratio,
         "plugin": {key: plugin_stats.get(key) for key in
                    ("captured", "captured_tokens", "bytes_raw", "bytes_stored", "dropped")},
         "collector": {key: stored_stats.get(key) for key in ("num_records", "compression_ratio")},
@@ -224,7 +254,9 @@ def run(config: Config) -> dict[str, Any]:
         f"median ratio capturing / not loaded: **{ratio:.3f}** served (goal >= {RATIO_GOAL:.2f}), "
         f"**{stored_ratio:.3f}** stored; the plugin's sender and the collector share the server's cores here",
         f"capture CPU per captured token: scheduler thread in the hook {hook_cpu_us:.2f} us CPU "
-        f"({hook_us:.2f} us wall), sender thread {sender_us:.2f} us, collector {collector_cpu_us:.2f} us: "
+        f"({hook_us:.2f} us wall), sender thread {sender_us:.2f} us, collector {collector_cpu_us:.2f} us (less "
+        f"this benchmark's asking: {asking_s * 1e3:.2f} ms of its CPU a GET of /v1/stats, "
+        f"{statistics.median(row['asked'] for row in rows):.0f} a round): "
         f"**{capture_cpu_us:.2f} us** in all, against {plain_cpu_us:.1f} us of the plain server (median; it "
         f"counts its idle polling too); CPU ratio plain / (plain + capture) **{capture_cpu_ratio:.3f}**: read the "
         f"goal against it when other work shares the machine",

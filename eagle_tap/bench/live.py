@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from capture_format.tag import CaptureTag
-from eagle_tap.bench.capture import tree_cpu_s, wait_stored
+from eagle_tap.bench.capture import threads_cpu_s, tree_cpu_s, wait_stored
 from eagle_tap.testbed.collector_process import CollectorProcess
 from eagle_tap.serve.sglang_server import SGLangServer, ServerConfig
 from eagle_tap.serve.http_api import post_json
@@ -247,22 +247,43 @@ def answer_all(server: SGLangServer, prompts: list[list[int]], max_new_tokens: i
     return parallel(answer, range(len(prompts)), concurrency), answered
 
 
-def collector_cpu_storing(collector: CollectorProcess, record_ids: list[str], cpu_before_s: float) -> float:
-    """The collector's CPU seconds since cpu_before_s (`tree_cpu_s`) once record_ids (in the order their requests
-    were answered) are stored, counting as little of the asking as possible: it asks for the last one alone until
-    it is stored (the plugin posts records in the order their requests finished, one POST after the other), reads
-    the CPU, and only then checks the others; one not stored yet is waited for and the CPU read again. A GET costs
-    the collector about 0.6 ms here, more than storing a 45-token record: asking for each record of a round in
-    turn (`wait_records`) counted about 17 us per captured token in spec-capture at 100%."""
+def collector_cpu_storing(collector: CollectorProcess, record_ids: list[str], cpu_before_s: float,
+                          plugin_stats: tuple[Path, int] | None = None) -> float:
+    """The collector's CPU seconds since cpu_before_s (`threads_cpu_s`) once record_ids (in the order their requests
+    were answered) are stored, counting none of the asking: a GET costs the collector about 0.6 ms here, more than
+    storing a 45-token record, and asking every 50 ms until a round's records came counted that too (spec-capture at
+    10%: 66 -> 132 us per captured token when the sender waited 1 s instead of 0.25 for more). With plugin_stats (the
+    capturing plugin's stats file, and the count its frames `sent`, `duplicates` and `dropped` together reach once
+    record_ids went out) it waits on that file, which the collector never sees, reads the CPU, and only then asks the
+    collector for each record; without, it asks for the last one alone until it is stored (the plugin posts records
+    in the order their requests finished). A record not stored by then is waited for and the CPU read again."""
     if not record_ids:
-        return tree_cpu_s(collector.process.pid) - cpu_before_s
-    wait_records(collector, record_ids[-1:])
-    cpu_s = tree_cpu_s(collector.process.pid) - cpu_before_s
-    missing = [record_id for record_id in record_ids[:-1] if not collector.has_record(record_id)]
-    if missing:  # stored in another order than assumed: count the wait for them
+        return threads_cpu_s(collector.process.pid) - cpu_before_s
+    if plugin_stats is None:
+        wait_records(collector, record_ids[-1:])
+    else:
+        wait_frames_out(*plugin_stats)
+    cpu_s = threads_cpu_s(collector.process.pid) - cpu_before_s
+    missing = [record_id for record_id in record_ids if not collector.has_record(record_id)]
+    if missing:  # stored in another order than assumed, or not told yet: count the wait for them
         wait_records(collector, missing)
-        cpu_s = tree_cpu_s(collector.process.pid) - cpu_before_s
+        cpu_s = threads_cpu_s(collector.process.pid) - cpu_before_s
     return cpu_s
+
+
+def frames_out(stats: dict) -> int:
+    """Frames a capturing plugin is done with (stats file): stored, found stored already, or dropped."""
+    return stats.get("sent", 0) + stats.get("duplicates", 0) + sum(stats.get("dropped", {}).values())
+
+
+def wait_frames_out(stats_path: Path, count: int, timeout_s: float = 120.0) -> None:
+    """Until the plugin's stats file (rewritten about once a second) says `frames_out` reached count; then returns
+    (the caller checks what was stored), or after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if frames_out(read_stats_file(stats_path)) >= count:
+            return
+        time.sleep(0.1)
 
 
 def warm_up(servers: dict[str, SGLangServer], capturing: dict[str, tuple[float, CollectorProcess]],

@@ -36,13 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from eagle_tap.bench import served
-from eagle_tap.bench.capture import start_all, tree_cpu_s
+from eagle_tap.bench.capture import start_all, threads_cpu_s, tree_cpu_s
 from eagle_tap.bench.live import (
     answer_all,
     chat_tokenizer,
     collector_cpu_storing,
     count_complete,
     demo_prompts,
+    frames_out,
     stored_records,
     warm_up,
 )
@@ -159,12 +160,13 @@ def measure(config: Config, draft: Path, work: Path) -> dict[str, Any]:
     stats_after = {}
     with spec_servers(config, draft, work) as (servers, capturing):
         stats_before = warm_up(servers, capturing, warmup, config.max_new_tokens, config.concurrency, work)
+        frames_due = {name: frames_out(stats) for name, stats in stats_before.items()}  # one frame a record
         for number in range(config.rounds):
             batch = prompts[number * config.num_requests : (number + 1) * config.num_requests]
             row: dict[str, Any] = {"round": number}
             for name in list(servers) if number % 2 == 0 else list(reversed(servers)):
                 server, rids = servers[name], [f"spec{number}x{name}x{i:04d}" for i in range(len(batch))]
-                collector_cpu = tree_cpu_s(capturing[name][1].process.pid) if name in capturing else 0.0
+                collector_cpu = threads_cpu_s(capturing[name][1].process.pid) if name in capturing else 0.0
                 cpu, started = tree_cpu_s(server.pid), time.perf_counter()
                 answers, answered = answer_all(server, batch, config.max_new_tokens, rids, config.concurrency)
                 row[f"{name}_s"] = time.perf_counter() - started
@@ -180,8 +182,10 @@ def measure(config: Config, draft: Path, work: Path) -> dict[str, Any]:
                         sampled.append(f"live-{rid}")
                         expected[sampled[-1]], meta_infos[sampled[-1]] = ids + answer["output_ids"], answer["meta_info"]
                 sampled_by[name] += sampled
+                frames_due[name] += len(sampled)
                 row[f"{name}_collector_cpu_s"] = collector_cpu_storing(
-                    collector, [f"live-{rid}" for rid in answered if is_sampled(rid, rate)], collector_cpu)
+                    collector, [f"live-{rid}" for rid in answered if is_sampled(rid, rate)], collector_cpu,
+                    plugin_stats=(work / f"spool-{name}" / "dp0" / "stats.json", frames_due[name]))
             for name in capturing:  # generated tokens per second (greedy answers may differ a little in length)
                 row[f"{name}_ratio"] = (row[f"{name}_tokens"] / row[f"{name}_s"]) / (row["absent_tokens"] / row["absent_s"])
                 row[f"{name}_cpu_ratio"] = row["absent_cpu_s"] / row[f"{name}_cpu_s"]

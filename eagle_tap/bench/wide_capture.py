@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_tap.bench.capture import prompts as source_prompts
-from eagle_tap.bench.capture import main_thread_cpu_s, start_all, tree_cpu_s
+from eagle_tap.bench.capture import main_thread_cpu_s, start_all, threads_cpu_s, tree_cpu_s
 from eagle_tap.bench.live import answer_all, collector_cpu_storing, warm_up
 from eagle_tap.testbed.collector_process import CollectorProcess
 from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
@@ -294,7 +294,7 @@ def serve_mode(config: Config, mode: str, targets: dict[int, Path], work: Path) 
             row: dict[str, Any] = {}
             for name in list(servers) if number % 2 == 0 else list(reversed(servers)):
                 server, rids = servers[name], [f"wide{number}x{mode}x{name}x{i:03d}" for i in range(len(batch))]
-                collector_cpu = tree_cpu_s(capturing[name][1].process.pid) if name in capturing else 0.0
+                collector_cpu = threads_cpu_s(capturing[name][1].process.pid) if name in capturing else 0.0
                 started = time.perf_counter()
                 answers, answered = answer_all(server, batch, config.max_new_tokens, rids, config.concurrency)
                 row[f"{name}_tokens_s"] = sum(len(answer["output_ids"]) for answer in answers) / \
