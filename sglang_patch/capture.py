@@ -327,6 +327,12 @@ class CaptureAssembler:
         """Whether a generate-mode capture is running (decode rows and finishes matter)."""
         return bool(self._generating)
 
+    @property
+    def idle(self) -> bool:
+        """Whether no capture is running nor any request waits for its first forward: an extend batch then has
+        nothing to give (at a low sampling rate, most of them)."""
+        return not self._partials and not self.selector.num_waiting
+
     def on_extend(self, reqs: list, prefix_lens: list[int], extend_lens: list[int],
                   aux: torch.Tensor, final: torch.Tensor, input_embeds: torch.Tensor | None = None) -> None:
         """Take the rows of one EXTEND (or MIXED) batch. aux: (rows, K*H), final: (rows, H), device tensors;

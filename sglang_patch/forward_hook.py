@@ -102,8 +102,8 @@ class CaptureHook:
                 return None
             mode = batch.forward_mode.name
             decode = mode == "DECODE"
-            if not (decode and self._assembler.generating) and mode not in _CAPTURED_MODES:
-                return None
+            if not (decode and self._assembler.generating) and (mode not in _CAPTURED_MODES or self._assembler.idle):
+                return None  # the checks that return at once are not counted in hook_ns: a few attribute reads
             logits_output = result.logits_output
             aux = getattr(logits_output, "hidden_states", None)
             final = getattr(logits_output, "last_hidden_states", None)
@@ -118,9 +118,7 @@ class CaptureHook:
                                           getattr(logits_output, "mm_input_embeds", None))
             # What the scheduler's thread spends on capture per forward (hook + device copy), not counting
             # preemption nor the counting itself.
-            cpu_ns, wall_ns = time.thread_time_ns() - started_cpu_ns, time.perf_counter_ns() - started_ns
-            self.stats.add("hook_ns", wall_ns)
-            self.stats.add("hook_cpu_ns", cpu_ns)
+            self.stats.add_hook_time(time.perf_counter_ns() - started_ns, time.thread_time_ns() - started_cpu_ns)
         except Exception:
             self._count_error("capture")
         return None
@@ -198,9 +196,7 @@ class CaptureHook:
             num_draft_tokens = int(result.speculative_num_draft_tokens)
             started_ns, started_cpu_ns = time.perf_counter_ns(), time.thread_time_ns()
             self._assembler.on_verify(batch.reqs, aux, final, accept_index, num_draft_tokens)
-            cpu_ns, wall_ns = time.thread_time_ns() - started_cpu_ns, time.perf_counter_ns() - started_ns
-            self.stats.add("hook_ns", wall_ns)
-            self.stats.add("hook_cpu_ns", cpu_ns)
+            self.stats.add_hook_time(time.perf_counter_ns() - started_ns, time.thread_time_ns() - started_cpu_ns)
         except Exception:
             self._count_error("verify")
         return None

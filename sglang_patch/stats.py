@@ -43,6 +43,15 @@ class CaptureStats:
         with self._lock:
             self._counts[name] += amount
 
+    def add_hook_time(self, wall_ns: int, cpu_ns: int) -> None:
+        """One forward hook call's time on the scheduler's thread (`hook_ns`, `hook_cpu_ns`, `hook_calls`), under
+        one lock: it runs on every captured forward."""
+        with self._lock:
+            counts = self._counts
+            counts["hook_ns"] += wall_ns
+            counts["hook_cpu_ns"] += cpu_ns
+            counts["hook_calls"] += 1
+
     def set(self, name: str, value: int) -> None:
         """A gauge: the current value, not a count."""
         with self._lock:

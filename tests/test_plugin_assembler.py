@@ -276,6 +276,22 @@ def test_decode_batches_cost_nothing_without_a_generate_capture(assembler):
     assert len(emitted) == 1 and not asm.generating  # a prefill capture is done at its prefill's end
 
 
+def test_an_extend_batch_is_skipped_only_while_no_capture_runs_nor_waits(assembler):
+    """The forward hook returns before any work when the assembler is idle: a request selected but not yet
+    forwarded, or a capture still taking rows, makes it not idle."""
+    asm, emitted, _ = assembler
+    assert asm.idle
+    chunked = make_req(1, 6)
+    asm.selector.on_request(arrival(chunked))
+    assert not asm.idle  # selected, waiting for its first forward
+    asm.seen.add(chunked.rid)
+    asm.on_extend(*batch([(chunked, 1, 0, 4)]))
+    assert not asm.idle and not emitted  # two of its prompt's rows are still to come
+    asm.on_extend(*batch([(chunked, 1, 4, 2)]))
+    assert asm.idle and len(emitted) == 1
+    check_record(emitted[0], 1, 6)
+
+
 def test_live_sampling_is_deterministic_skips_health_checks_and_opt_outs_and_salts_only_selected_requests():
     stats = CaptureStats()
     selector = Selector(stats=stats, sample_rate=1.0, live_sample_rate=0.3)
