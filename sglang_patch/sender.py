@@ -65,6 +65,8 @@ _STATE_DTYPES = {
     torch.float32: ("float32", torch.float32, np.float32),
 }
 _LOG_EVERY_S = 60.0
+_STATS_EVERY_S = 1.0
+"""The stats file is rewritten about this often (readers wait for a snapshot newer than a time)."""
 ENCODE_BYTES_S_PER_THREAD = 200e6
 """Raw state bytes a second one encoder thread is sized for (bf16-split measured 380-580 MB/s on a quiet core)."""
 SIZED_TOKENS_S = 10_000
@@ -303,7 +305,7 @@ class Sender:
         max_bytes, max_age_s = self._settings.batch_max_bytes, self._settings.batch_max_age_s
         with self._condition:
             if wait and not self._queue and not self._stopping:
-                self._condition.wait(timeout=0.5)
+                self._condition.wait(timeout=self._idle_wait_s())
             while wait and self._queue and not self._stopping and self._inflight_bytes < max_bytes:
                 wait_s = self._queue[0][0] + max_age_s - time.monotonic()
                 if wait_s <= 0:
@@ -315,6 +317,15 @@ class Sender:
                 batch.append(captured)
                 batch_bytes += captured.raw_nbytes
             return batch, self._stopping
+
+    def _idle_wait_s(self) -> float:
+        """How long an idle sender sleeps: until its stats file is due (once a second) or the spool may be sent
+        again, whichever comes first. A wake-up costs the thread CPU whatever it finds; at a low sampling rate
+        the sender is idle most of the time (it woke twice a second before: ~0.85 ms of CPU a second idle)."""
+        due = self._stats_written_at + _STATS_EVERY_S
+        if len(self._spool):
+            due = min(due, self._retry_at)
+        return min(max(due - time.monotonic(), 0.01), _STATS_EVERY_S)
 
     def _start_encoding(self, batch: list[CapturedSequence]) -> list[_Job]:
         """Hands a batch's captures to the encoder threads, except closing records, which need the digest of
@@ -464,7 +475,7 @@ class Sender:
 
     def _write_stats(self) -> None:
         now = time.monotonic()
-        if now - self._stats_written_at >= 1.0:
+        if now - self._stats_written_at >= _STATS_EVERY_S:
             self._stats_written_at = now
             if self._every_second is not None:
                 self._every_second()
