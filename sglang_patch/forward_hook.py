@@ -159,11 +159,14 @@ class CaptureHook:
         if self._disabled or self._assembler is None or batch is None or not self._assembler.generating:
             return None
         try:
+            started_ns, started_cpu_ns = time.perf_counter_ns(), time.thread_time_ns()
             batch_result = args[0] if args else kwargs.get("result")
             num_correct = getattr(batch_result, "num_correct_drafts_per_req_cpu", None)
             if self._spec is not None and num_correct is not None:
                 self._assembler.on_verify_processed(batch.reqs, num_correct)
             self._assembler.on_finished(batch.reqs)
+            # on the scheduler's thread too: counted with the forward hooks
+            self.stats.add_hook_time(time.perf_counter_ns() - started_ns, time.thread_time_ns() - started_cpu_ns)
         except Exception:
             self._count_error("finish")
         return None

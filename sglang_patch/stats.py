@@ -44,8 +44,8 @@ class CaptureStats:
             self._counts[name] += amount
 
     def add_hook_time(self, wall_ns: int, cpu_ns: int) -> None:
-        """One forward hook call's time on the scheduler's thread (`hook_ns`, `hook_cpu_ns`, `hook_calls`), under
-        one lock: it runs on every captured forward."""
+        """One hook call's time on the scheduler's thread (`hook_ns`, `hook_cpu_ns`, `hook_calls`): after a forward,
+        and after the scheduler processed a batch of a running generate capture. One lock: it runs that often."""
         with self._lock:
             counts = self._counts
             counts["hook_ns"] += wall_ns

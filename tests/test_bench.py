@@ -135,7 +135,7 @@ def test_spec_capture_pools_acceptance_per_verify_step_and_reports_a_column_per_
 
     config = spec_capture.Config(draft_dir="draft", rounds=5)
     entry = {"ratio": 0.97, "ratio_range": [0.91, 1.02], "cpu_ratio": 0.98, "sampled": 30, "complete": 30, "unreadable": 0, "coverage": 1.0,
-             "acceptance": pooled, "captured_tokens": 2_400, "dropped": {}, "hook_errors": 0,
+             "acceptance": pooled, "captured_tokens": 2_400, "dropped": {}, "hook_errors": 0, "hook_calls": 800,
              "cpu_us_per_token": {"hook": 3.0, "sender": 20.0, "collector": 10.0, "total": 33.0}}
     measured = {"absent_tokens_s": 40.0, "absent_acceptance": {"meta_info": 2.5, "meta_info_completion": 2.6},
                 "live0.1": {**entry, "rate": 0.1}, "live1": {**entry, "rate": 1.0, "dropped": {"missing_rows": 1}}}
@@ -147,6 +147,7 @@ def test_spec_capture_pools_acceptance_per_verify_step_and_reports_a_column_per_
         "0.970 (0.91-1.02)")
     assert rows["coverage: complete records / sampled requests"]["live1"] == "1.0000 (30/30, 0 unreadable)"
     assert rows["  records whose verify steps and accepted drafts equal meta_info's"]["live1"] == "1/2"
+    assert rows["  forward hook calls that did work; CPU per call"]["live0.1"] == "800; 9.00 us"  # 3 us x 2,400 / 800
     assert result["notes"][-1].endswith("live1: 1 missing_rows, 0 hook errors")
     markdown = render_markdown({"mode": "full", "wall_s": 1.0, "machine": machine_info(),
                                 "benchmarks": {"spec-capture": result}})

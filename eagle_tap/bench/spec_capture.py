@@ -19,8 +19,9 @@ Reported per rate:
   (accepted drafts + verify steps) / verify steps, tokens per verify step; beside it SGLang's meta_info of
   the same requests, by the same definition and by its own `spec_accept_length` (completion tokens / verify
   steps, which also counts the first token, the prefill's); and how many records agree with meta_info;
-- capture CPU per captured token over the measured rounds: the plugin's forward hooks on the scheduler's
-  thread (stats `hook_cpu_ns`), its sender thread (`sender_cpu_ns`) and the collector's process.
+- capture CPU per captured token over the measured rounds: the plugin's hooks on the scheduler's thread (stats
+  `hook_cpu_ns`: after each forward, and after the scheduler processed a batch of a running generate capture),
+  its sender thread (`sender_cpu_ns`) and the collector's process.
 """
 
 from __future__ import annotations
@@ -215,8 +216,15 @@ def measure(config: Config, draft: Path, work: Path) -> dict[str, Any]:
                         "coverage": complete / len(ids) if ids else float("nan"),
                         "acceptance": pooled_acceptance(records, meta_infos, ids),
                         "captured_tokens": tokens, "cpu_us_per_token": {**cpu_us, "total": sum(cpu_us.values())},
+                        "hook_calls": after.get("hook_calls", 0) - before.get("hook_calls", 0),
                         "dropped": after.get("dropped") or {}, "hook_errors": after.get("hook_errors", 0)}
     return result
+
+
+def _per_call_us(entry: dict[str, Any]) -> float:
+    """A forward hook call's CPU (the calls that return at once, before any work, are not counted)."""
+    calls = entry["hook_calls"]
+    return entry["cpu_us_per_token"]["hook"] * entry["captured_tokens"] / calls if calls else float("nan")
 
 
 def report(config: Config, measured: dict[str, Any], draft_note: str) -> dict[str, Any]:
@@ -244,6 +252,8 @@ def report(config: Config, measured: dict[str, Any], draft_note: str) -> dict[st
             lambda entry: f"{entry['acceptance']['records_agreeing']}/{entry['acceptance']['records_compared']}"),
         row("capture CPU per captured token: forward hooks (hook_cpu_ns)",
             lambda entry: f"{entry['cpu_us_per_token']['hook']:.2f} us"),
+        row("  forward hook calls that did work; CPU per call",
+            lambda entry: f"{entry['hook_calls']:,}; {_per_call_us(entry):.2f} us"),
         row("  sender thread (sender_cpu_ns)", lambda entry: f"{entry['cpu_us_per_token']['sender']:.2f} us"),
         row("  collector process", lambda entry: f"{entry['cpu_us_per_token']['collector']:.2f} us"),
         row("  all three (captured tokens)",
