@@ -54,7 +54,7 @@ modules to two workers in collection order, so a long one left for last would ke
 
 def pytest_configure(config: pytest.Config) -> None:
     # Tests wait for one record after another: the servers they start post what they captured after 50 ms, not
-    # the default 250 ms (tests of batching set the age themselves).
+    # the default 1 s (tests of batching set the age themselves).
     os.environ.setdefault("EAGLE_TAP_BATCH_MAX_AGE_S", "0.05")
     worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
     if worker.startswith("gw") and count:
