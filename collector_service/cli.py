@@ -86,6 +86,7 @@ def _collect(args: argparse.Namespace) -> int:
     from collector_service.app import create_app
     from collector_service.http_limits import server_limits
     from collector_service.malloc_tuning import keep_freed_memory
+    from collector_service.quiet_server import QuietServer
     from collector_service.settings import CollectorSettings
 
     settings = CollectorSettings(**_settings_overrides(args))
@@ -117,7 +118,7 @@ def _collect(args: argparse.Namespace) -> int:
         f"durability: {settings.durability}{uploads})",
         flush=True,
     )
-    uvicorn.Server(config).run(sockets=[listener])
+    QuietServer(config).run(sockets=[listener])
     return 0
 
 

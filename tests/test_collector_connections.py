@@ -1,12 +1,15 @@
-"""Connection limits of the real collector process: stalled headers are closed, huge headers refused fast."""
+"""Connection limits of the real collector process: stalled headers are closed, huge headers refused fast; an idle
+collector wakes once a second, and a signal still stops it at once."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import time
 import urllib.request
 from pathlib import Path
 
+from collector_service import quiet_server
 from eagle_tap.testbed.collector_process import CollectorProcess
 
 
@@ -41,6 +44,56 @@ def test_stalled_headers_are_closed_and_big_headers_refused(tmp_path: Path) -> N
             assert response.status == 200  # everyone else is still served
     finally:
         collector.stop()
+
+
+def _voluntary_switches(pid: int) -> int:
+    """Times the process's main thread went to sleep (each wake-up of an idle event loop is one)."""
+    for line in Path(f"/proc/{pid}/task/{pid}/status").read_text().splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches in /proc")
+
+
+def test_an_idle_collector_wakes_once_a_second(tmp_path: Path) -> None:
+    collector = CollectorProcess(tmp_path / "data")
+    try:
+        time.sleep(0.5)
+        before = _voluntary_switches(collector.process.pid)
+        time.sleep(3.0)
+        woken = _voluntary_switches(collector.process.pid) - before
+        assert woken <= 9, f"the idle event loop woke {woken} times in 3 s (uvicorn's own loop: 30)"
+    finally:
+        collector.stop()
+    assert collector.process.returncode == -signal.SIGTERM  # uvicorn re-raises the signal once it has shut down
+
+
+def test_a_stop_signal_wakes_the_quiet_server_at_once(monkeypatch) -> None:
+    """handle_exit (uvicorn's signal handler) wakes the loop: with a tick of a minute the server still stops at once."""
+    import asyncio
+    import threading
+
+    import uvicorn
+
+    async def app(scope, receive, send) -> None:
+        assert scope["type"] == "lifespan"
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+
+    monkeypatch.setattr(quiet_server, "TICK_S", 60.0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = quiet_server.QuietServer(uvicorn.Config(app, lifespan="on", log_level="warning"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[listener])), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    time.sleep(0.2)  # into the tick's wait
+    started = time.monotonic()
+    server.handle_exit(signal.SIGTERM, None)
+    thread.join(20)
+    assert not thread.is_alive() and time.monotonic() - started < 15, "the server slept through its stop signal"
 
 
 def test_healthz_reports_a_folder_that_stopped_taking_writes() -> None:
