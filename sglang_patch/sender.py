@@ -54,7 +54,7 @@ from sglang_patch.device_copy import host_cat
 from sglang_patch.delivery import CollectorClient, Verdict
 from sglang_patch.settings import CaptureSettings
 from sglang_patch.spool import Spool
-from sglang_patch.stats import CaptureStats
+from sglang_patch.stats import CaptureStats, StatsFile
 
 logger = logging.getLogger("eagle_tap.plugin")
 
@@ -199,6 +199,7 @@ class Sender:
         self._stats = stats
         self._spool = spool
         self.stats_path = stats_path
+        self._stats_file = StatsFile(stats_path)
         self._every_second = every_second
         """Called on this thread about once a second, before the stats are written (e.g. the ranks' check)."""
         token = settings.token.get_secret_value() if settings.token is not None else None
@@ -253,6 +254,8 @@ class Sender:
         if self._pool is not None:
             self._pool.shutdown(wait=False)  # idle once the sender thread has collected what it handed over
         self._client.close()
+        if not self._thread.is_alive():  # else it may still write: its descriptor stays open (a daemon thread)
+            self._stats_file.close()
         self._stats.write(self.stats_path)
         logger.info(self._stats.summary())
 
@@ -483,7 +486,7 @@ class Sender:
             self._stats.set("spool_bytes", self._spool.num_bytes)
             with self._condition:
                 self._stats.set("inflight_bytes", self._inflight_bytes)
-            self._stats.write(self.stats_path)
+            self._stats_file.write(self._stats.snapshot())
         if now - self._logged_at >= _LOG_EVERY_S:
             self._logged_at = now
             summary = self._stats.summary()

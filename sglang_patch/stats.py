@@ -1,6 +1,7 @@
 """Counters of the capture plugin, shared by the forward hook and the sender thread.
 
-Written as JSON to a stats file (atomically, about once a second) that clients and tests read, and
+Written as JSON to a stats file about once a second (`StatsFile`: in place, each snapshot numbered at its
+start and its end so a reader can tell a torn read) that clients and tests read (`read_stats_file`), and
 logged periodically. Drop reasons are open-ended strings so each path names its own.
 """
 
@@ -16,15 +17,83 @@ from pathlib import Path
 from capture_format.files import write_file_atomically
 
 
+_TORN_READS_RETRIED = 100
+
+
 def read_stats_file(path: Path, *, newer_than: float | None = None, timeout_s: float = 10.0) -> dict:
     """The counters a stats file holds ({} while there is none). With newer_than (a `time.time()`), waits up
-    to timeout_s for a snapshot written after it, since the file is rewritten only about once a second."""
+    to timeout_s for a snapshot written after it, since the file is rewritten only about once a second. A read
+    that met a rewrite in place (`StatsFile`) is read again; ValueError if the file never reads whole."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+        stats = _read_whole(path)
         if newer_than is None or stats.get("updated_at", 0) > newer_than or time.monotonic() > deadline:
             return stats
         time.sleep(0.2)
+
+
+def _read_whole(path: Path) -> dict:
+    for _ in range(_TORN_READS_RETRIED):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return {}
+        try:
+            stats = json.loads(text)
+        except ValueError:  # a rewrite in place was under way (or a half-written file of an older plugin)
+            stats = None
+        if isinstance(stats, dict) and stats.get("snapshot") == stats.get("snapshot_end"):
+            return stats
+        time.sleep(0.01)
+    raise ValueError(f"{path} did not read as one whole snapshot in {_TORN_READS_RETRIED} tries")
+
+
+class StatsFile:
+    """One stats file rewritten about once a second by one thread (the sender's), in place.
+
+    Why not temp file + rename each time: on ext4 a rename over the old file makes the new file's blocks
+    allocated at once, and the rewrite cost the sender ~0.2-0.5 ms of CPU a second here (in place: ~5 us),
+    which a replica sampling 10% of its traffic paid in good part per captured token. The first write (and a
+    write after the file was replaced or removed) still goes through a temp file and a rename.
+
+    What must hold: a reader never takes a torn read for a snapshot: each snapshot carries its number first
+    (`snapshot`) and last (`snapshot_end`), and `read_stats_file` reads again while they differ or the text
+    does not parse; the file never shrinks (a shorter snapshot is padded with spaces, which JSON ignores),
+    so a rewrite is one `pwrite` at offset 0 and no reader sees a truncated file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._inode: tuple[int, int] | None = None
+        self._size = 0
+        self._number = 0
+
+    def write(self, snapshot: dict) -> None:
+        self._number += 1
+        data = json.dumps({"snapshot": self._number, **snapshot, "snapshot_end": self._number}, indent=1).encode()
+        if self._fd is not None and self._same_file():
+            os.pwrite(self._fd, data.ljust(self._size), 0)
+            self._size = max(self._size, len(data))
+            return
+        self.close()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomically(self.path, data, durable=False)
+        fd = os.open(self.path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        status = os.fstat(fd)
+        self._fd, self._inode, self._size = fd, (status.st_dev, status.st_ino), len(data)
+
+    def _same_file(self) -> bool:
+        """Whether path still names the file held open (not replaced, e.g. by `CaptureStats.write`, nor removed)."""
+        try:
+            status = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        return (status.st_dev, status.st_ino) == self._inode
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class CaptureStats:
@@ -87,6 +156,7 @@ class CaptureStats:
         return f"eagle-tap capture [{snapshot['status']}]: {counts} dropped={snapshot['dropped']}"
 
     def write(self, path: Path) -> None:
-        """Replace `path` with the current snapshot (temp file + rename, so readers never see half)."""
+        """Replace `path` with the current snapshot (temp file + rename, so readers never see half): a file written
+        now and then; the sender rewrites its own in place (`StatsFile`)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         write_file_atomically(path, json.dumps(self.snapshot(), indent=1, sort_keys=True), durable=False)
