@@ -15,7 +15,7 @@ from fastapi import Depends, Request
 from collector_service.errors import ApiError
 from collector_service.store import RecordStore
 
-__all__ = ["StoreDep", "get_store", "require_token"]
+__all__ = ["StoreDep", "check_token", "get_store", "require_token"]
 
 
 async def get_store(request: Request) -> RecordStore:
@@ -27,6 +27,11 @@ StoreDep = Annotated[RecordStore, Depends(get_store)]
 
 async def require_token(request: Request) -> None:
     """Passes when no token is configured or the request carries `Authorization: Bearer <token>`."""
+    check_token(request)
+
+
+def check_token(request: Request) -> None:
+    """`require_token` for a route that is not a FastAPI route (`routes_batch`): ApiError 401 when refused."""
     token = request.app.state.settings.token
     if token is None:
         return
