@@ -23,13 +23,16 @@ MIN_PREFIX_BLOCK_TOKENS = 16
 class CaptureSettings(BaseSettings):
     """Everything the capture plugin can be told; every field has an `EAGLE_TAP_<NAME>` variable."""
 
-    model_config = SettingsConfigDict(env_prefix="EAGLE_TAP_", extra="ignore", populate_by_name=True)
+    # hide_input_in_errors: an invalid setting is logged, and the input of a setting may be the token.
+    model_config = SettingsConfigDict(env_prefix="EAGLE_TAP_", extra="ignore", populate_by_name=True,
+                                      hide_input_in_errors=True)
 
     collector_url: str | None = None
     """Base URL of the collector (e.g. http://127.0.0.1:8700); capture is off while unset."""
     token: SecretStr | None = Field(default=None,
                                     validation_alias=AliasChoices("EAGLE_TAP_COLLECTOR_TOKEN", "EAGLE_TAP_TOKEN"))
-    """Bearer token the collector expects, if it has one: the collector's own variable (the older name too)."""
+    """Bearer token the collector expects, if it has one: the collector's own variable (the older name too).
+    Printable ASCII without spaces (it goes in a header line)."""
     capture_layers: Annotated[list[int] | None, NoDecode] = None
     """Decoder layers whose input is captured, e.g. `3,31,59`; default `[3, L//2 + 1, L - 2]`."""
     codec: str | None = None
@@ -85,7 +88,9 @@ class CaptureSettings(BaseSettings):
     host_buffer_bytes: int = Field(default=2 << 30, ge=1)
     """On CUDA: pinned host memory for device copies in flight; past it captures are dropped and counted."""
     stats_path: Path | None = None
-    """JSON file the counters are written to about once a second; default `<spool_dir>/dp<rank>/stats.json`."""
+    """JSON file the counters are written to about once a second, in place; default `<spool_dir>/dp<rank>/stats.json`.
+    A read that met a rewrite has `snapshot` != `snapshot_end` (or does not parse): read it again, as
+    `sglang_patch.stats.read_stats_file` does."""
 
     @field_validator("collector_url")
     @classmethod
@@ -96,6 +101,14 @@ class CaptureSettings(BaseSettings):
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ValueError(f"must be an http(s) URL with a host, like http://127.0.0.1:8700; got {url!r}")
         return url.rstrip("/")
+
+    @field_validator("token")
+    @classmethod
+    def _check_token(cls, token: SecretStr | None) -> SecretStr | None:
+        value = token.get_secret_value() if token is not None else ""
+        if not all(" " < character <= "~" for character in value):
+            raise ValueError("must be printable ASCII without spaces: it is sent as 'Authorization: Bearer <token>'")
+        return token
 
     @field_validator("prefix_block_tokens")
     @classmethod

@@ -33,6 +33,7 @@ class HostileCollector:
         self.behaviour = behaviour
         self.redirect_to = redirect_to
         self.num_requests = 0
+        self._chunk = b"x" * (1 << 20)  # made here: tracemalloc counts every thread's allocations, the server's too
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
         self._stop = threading.Event()
@@ -66,9 +67,8 @@ class HostileCollector:
         if self.behaviour in ("huge_201", "huge_500"):
             status = b"201 Created" if self.behaviour == "huge_201" else b"500 Internal Server Error"
             connection.sendall(b"HTTP/1.1 " + status + b"\r\nContent-Length: %d\r\n\r\n" % HUGE_NBYTES)
-            chunk = b"x" * (1 << 20)
-            for _ in range(HUGE_NBYTES // len(chunk)):
-                connection.sendall(chunk)
+            for _ in range(HUGE_NBYTES // len(self._chunk)):
+                connection.sendall(self._chunk)
         elif self.behaviour == "redirect":
             connection.sendall(b"HTTP/1.1 307 Temporary Redirect\r\nLocation: " + self.redirect_to.encode()
                                + b"/v1/batches\r\nContent-Length: 0\r\n\r\n")

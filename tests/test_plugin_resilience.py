@@ -128,3 +128,11 @@ def test_bad_settings_are_logged_and_leave_capture_off(monkeypatch, caplog, vari
     with caplog.at_level(logging.ERROR, logger="eagle_tap.plugin"):
         assert load_settings() is None
     assert message in caplog.text and "eagle-tap capture disabled" in caplog.text
+
+
+def test_a_token_that_cannot_stand_in_a_header_is_refused_and_not_logged(monkeypatch, caplog):
+    monkeypatch.setenv("EAGLE_TAP_COLLECTOR_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("EAGLE_TAP_COLLECTOR_TOKEN", "s3cret-value\r\nX-Evil: 1")
+    with caplog.at_level(logging.ERROR, logger="eagle_tap.plugin"):
+        assert load_settings() is None
+    assert "printable ASCII" in caplog.text and "s3cret" not in caplog.text
