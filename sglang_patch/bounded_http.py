@@ -83,6 +83,10 @@ def _target(url: str) -> _Target:
                    parsed.netloc.rsplit("@", 1)[-1].encode("ascii"))
 
 
+def _too_large(status: int, max_bytes: int) -> PostFailed:
+    return PostFailed(f"HTTP {status} answer is larger than {max_bytes} bytes; not read further")
+
+
 class _Deadline:
     def __init__(self, seconds: float) -> None:
         self.at = time.monotonic() + seconds
@@ -171,7 +175,7 @@ class _Answer:
             if size == 0:
                 break
             if len(body) + size > self._max_body_bytes:
-                raise PostFailed(f"HTTP {status} answer is larger than {self._max_body_bytes} bytes; not read further")
+                raise _too_large(status, self._max_body_bytes)
             body += self.exactly(size)
             if self.exactly(2) != b"\r\n":
                 raise PostFailed("malformed chunked answer (no CRLF after a chunk)")
@@ -183,7 +187,7 @@ class _Answer:
     def to_close(self, status: int) -> bytes:
         while self._fill():
             if len(self._buffer) > self._max_body_bytes:
-                raise PostFailed(f"HTTP {status} answer is larger than {self._max_body_bytes} bytes; not read further")
+                raise _too_large(status, self._max_body_bytes)
         return bytes(self._buffer)
 
 
@@ -277,7 +281,8 @@ class BoundedPoster:
                 self._ssl_context = ssl.create_default_context()
         return self._ssl_context
 
-    def _exchange(self, target: _Target, parts: Sequence[bytes], content_type: str, deadline: _Deadline) -> PostResponse:
+    def _exchange(self, target: _Target, parts: Sequence[bytes], content_type: str,
+                  deadline: _Deadline) -> PostResponse:
         sock = self._socket
         nbytes = sum(map(len, parts))
         head = (b"POST %s HTTP/1.1\r\nHost: %s\r\n%sContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
@@ -319,8 +324,7 @@ class BoundedPoster:
             if not length.isdigit():
                 raise PostFailed(f"malformed Content-Length {length[:40]!r}")
             if int(length) > self.max_response_bytes:
-                raise PostFailed(f"HTTP {status} answer is larger than {self.max_response_bytes} bytes; not read "
-                                 f"further")
+                raise _too_large(status, self.max_response_bytes)
             body = answer.exactly(int(length))
         else:
             body, reusable = answer.to_close(status), False
