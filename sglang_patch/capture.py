@@ -81,6 +81,7 @@ from sglang_patch.device_copy import (
     VerifyRows,
     host_cat,
     host_copy,
+    join_pieces,
     release_pieces,
 )
 from sglang_patch.selection import PrefixPlan, Selection, Selector, is_sampled
@@ -147,7 +148,8 @@ class CapturedSequence:
     num_states: int
     """Rows of states: len(token_ids), or one fewer when the last token has none (generate mode)."""
     metadata: dict
-    """The tag's metadata, plus in generate mode how the generation ended (`finish_reason`)."""
+    """The tag's metadata, plus in generate mode how the generation ended (`finish_reason`) and, on a replica
+    that serves a draft, what it accepted (`served_draft`): read it once the sender has it (`served`)."""
     prefix: PrefixPlan | None = None
     """Prefix mode: the blocks reused and sent; the chunks then hold the rows from token prefix.reused on."""
     blocks_only: bool = False
@@ -165,6 +167,23 @@ class CapturedSequence:
     """A capture of a request with images: its image positions (`ImageInputs.spans`)."""
     input_embeds: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """Host tensors (n, H) whose rows, joined, are the target's input embeddings at those positions, in order."""
+    run: list[RowPiece] = dataclasses.field(default_factory=list)
+    """A generate capture's last kept rows of decode or verify steps, after the chunks, not joined yet: the
+    sender joins them (`states`), so a finishing capture costs the scheduler's thread no join."""
+    served: tuple[str, SpecServing, list[int], int] | None = None
+    """A generate capture on a replica that serves a draft: (draft identity, how it drafts, the drafts each
+    verify step accepted, the tokens generated), made into the record's `served_draft` metadata off the
+    scheduler's thread (`record_metadata`)."""
+    _raw_nbytes: int | None = dataclasses.field(default=None, init=False, repr=False)
+
+    def record_metadata(self) -> dict:
+        """The record's metadata: `metadata`, with `served_draft` made from `served` (the sender's thread)."""
+        if self.served is not None:
+            draft, spec, accepted, num_generated = self.served
+            self.metadata = {**self.metadata, METADATA_KEY: served_draft_metadata(
+                draft=draft, spec=spec, accepted=verified_steps(accepted, num_generated))}
+            self.served = None
+        return self.metadata
 
     @property
     def first_row(self) -> int:
@@ -175,14 +194,21 @@ class CapturedSequence:
 
     @property
     def raw_nbytes(self) -> int:
-        embeds = sum(rows.numel() * rows.element_size() for rows in self.input_embeds)
-        return sum(chunk.nbytes for chunk in self.chunks) + 4 * len(self.token_ids) + embeds
+        """Bytes of its states, token ids and input embeddings (the sender's in-flight count: computed once)."""
+        if self._raw_nbytes is None:
+            embeds = sum(rows.numel() * rows.element_size() for rows in self.input_embeds)
+            run = sum(end - start for _, start, end in self.run) * self.run[0][0].row_nbytes if self.run else 0
+            self._raw_nbytes = sum(chunk.nbytes for chunk in self.chunks) + run + 4 * len(self.token_ids) + embeds
+        return self._raw_nbytes
 
     def states(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux (S, K*H), final (S, H)) on CPU, once every chunk's copy has landed, S = num_states - first_row.
         Views of the host buffers while there is one chunk: read them before `release()`.
 
         Joined by `host_cat`, not torch.cat: this runs on the sender thread, beside the forward."""
+        if self.run:
+            run, self.run = self.run, []
+            self.chunks.append(join_pieces(run))  # gives up the pieces' holds, joined or not
         for chunk in self.chunks:
             chunk.wait()
         if len(self.chunks) == 1:
@@ -195,6 +221,8 @@ class CapturedSequence:
     def release(self) -> None:
         for chunk in self.chunks:
             chunk.release()
+        release_pieces(self.run)
+        self.run = []
 
 
 _RUN_MAX_STEPS = 64
@@ -467,6 +495,7 @@ class CaptureAssembler:
         The rows kept are noted, not copied; they are joined into a chunk every `_RUN_MAX_STEPS` steps and
         where a part is due (`_flush_run`). Each capture finds its request at the position `on_verify` noted (the
         scheduler processes the batch it verified)."""
+        now = time.monotonic()
         for rid, partial in list(self._generating.items()):  # a capture may be dropped on the way (`_cut_parts`)
             pending = partial.pending
             if not pending:
@@ -485,12 +514,19 @@ class CaptureAssembler:
                 release_pieces([(block, start, start)])
                 continue
             count = int(num_correct_drafts[position]) + 1
-            partial.note_rows(block, start, start + count)
+            # `_Partial.note_rows` and `_join_if_due`'s test, written out: this runs per captured request and step
+            run = partial.run
+            run.append((block, start, start + count))
+            partial.run_held_nbytes += block.held_nbytes
+            partial.num_rows += count
             accepted.append(count - 1)
-            if not req.finished() and partial.rows_end != len(req.origin_input_ids) + len(req.output_ids) - 1:
-                self._abandon(rid, "misaligned", time.monotonic())
+            if (not req.finished() and partial.chunks_start + partial.num_rows
+                    != len(req.origin_input_ids) + len(req.output_ids) - 1):
+                self._abandon(rid, "misaligned", now)
                 continue
-            self._join_if_due(req, partial, time.monotonic())
+            if (len(run) >= _RUN_MAX_STEPS or partial.run_held_nbytes >= _RUN_MAX_BYTES
+                    or partial.num_rows >= partial.run_cut_rows):
+                self._join_if_due(req, partial, now)
 
     def _join_if_due(self, req, partial: _Partial, now: float) -> None:
         """Joins the rows noted once they are `_RUN_MAX_STEPS` steps, `_RUN_MAX_BYTES` of outputs kept alive, or
@@ -512,13 +548,25 @@ class CaptureAssembler:
             partial.chunks.append(self._copier.join(partial.run))
             partial.run, partial.run_held_nbytes = [], 0
 
+    def on_processed(self, reqs: list, num_correct_drafts: list[int] | None) -> None:
+        """After the scheduler processed a batch while a generate capture runs: a verify step's accepted rows
+        (`on_verify_processed`, when num_correct_drafts is given), then the captures whose request finished."""
+        if num_correct_drafts is not None:
+            self.on_verify_processed(reqs, num_correct_drafts)
+        self.on_finished(reqs)
+
     def on_finished(self, reqs: list) -> None:
-        """After the scheduler processed a batch: emit (or drop) the generate captures whose request finished."""
-        for req in reqs:
-            partial = self._partials.get(req.rid)
-            if partial is None or partial.tag.mode != "generate" or not req.finished():
+        """After the scheduler processed a batch: emit (or drop) the generate captures whose request finished.
+
+        It looks at the running generate captures' requests (`_Partial.req`), not at the batch's: at a low
+        sampling rate most of a batch is not captured, and a look-up per request is the scheduler thread's
+        time. A request finishes while the scheduler processes a batch that holds it (SGLang sets its finish
+        reason there, an abort included), so the captures found finished here are those of `reqs`."""
+        for rid, partial in list(self._generating.items()):
+            req = partial.req
+            if req is None or not req.finished():
                 continue
-            self._remove(req.rid)
+            self._remove(rid)
             self._finish_generated(req, partial)
 
     def _start(self, rid: str, selection: Selection, now: float) -> _Partial:
@@ -641,7 +689,9 @@ class CaptureAssembler:
         if spans and spans[-1][1] > len(token_ids):
             self._discard(partial, "spans_out_of_range")
             return
-        self._send(partial, token_ids, spans, len(token_ids), self._with_served_draft(partial.tag.metadata, []))
+        served = self._served_draft()
+        self._send(partial, token_ids, spans, len(token_ids), partial.tag.metadata,
+                   None if served is None else (*served, [], 0))
 
     def _finish_generated(self, req, partial: _Partial) -> None:
         """The record of a finished request: prompt + generated tokens, states for all but the last."""
@@ -654,16 +704,19 @@ class CaptureAssembler:
             self._discard(partial, "nan")
             return
         partial.drop_pending()  # steps after the finishing one (overlap scheduling)
-        self._flush_run(partial)
-        prompt = list(req.origin_input_ids)
-        generated = list(req.output_ids if req.finished_len is None else req.output_ids[: req.finished_len])
-        if not generated:
+        if partial.num_rows > self._most_rows_held:  # the gauge `_flush_run` keeps (the rows are joined later)
+            self._most_rows_held = partial.num_rows
+            self._stats.set("most_rows_held", partial.num_rows)
+        token_ids = list(req.origin_input_ids)
+        num_prompt = len(token_ids)
+        token_ids += req.output_ids if req.finished_len is None else req.output_ids[: req.finished_len]
+        num_generated = len(token_ids) - num_prompt
+        if not num_generated:
             self._discard(partial, "nothing_generated", req)
             return
-        token_ids = prompt + generated
         num_states = len(token_ids) - 1
         spans = partial.tag.loss_spans
-        if spans and spans[-1][1] > len(prompt):
+        if spans and spans[-1][1] > num_prompt:
             self._discard(partial, "spans_out_of_range")
             return
         # Rows past num_states come from forwards after the finishing one (the overlap scheduler may run
@@ -671,43 +724,49 @@ class CaptureAssembler:
         if partial.rows_end < num_states:
             self._discard(partial, "missing_rows", req)
             return
-        if spans and spans[-1][1] == len(prompt):
+        if spans and spans[-1][1] == num_prompt:
             spans = (*spans[:-1], (spans[-1][0], len(token_ids)))
         else:
-            spans = (*spans, (len(prompt), len(token_ids)))
+            spans = (*spans, (num_prompt, len(token_ids)))
         metadata = {**partial.tag.metadata, "finish_reason": _FINISH_REASONS.get(reason, reason)}
-        self._send(partial, token_ids, spans, num_states,
-                   self._with_served_draft(metadata, verified_steps(partial.accepted, len(generated))))
-
-    def _with_served_draft(self, metadata: dict, accepted: list[int]) -> dict:
         served = self._served_draft()
+        self._send(partial, token_ids, spans, num_states, metadata,
+                   None if served is None else (*served, partial.accepted, num_generated))
+
+    def _with_served_draft(self, metadata: dict, served: tuple | None) -> dict:
+        """metadata with its `served_draft` entry (served: see `CapturedSequence.served`), made now."""
         if served is None:
             return metadata
-        draft, spec = served
-        return {**metadata, METADATA_KEY: served_draft_metadata(draft=draft, spec=spec, accepted=accepted)}
+        draft, spec, accepted, num_generated = served
+        return {**metadata, METADATA_KEY: served_draft_metadata(draft=draft, spec=spec,
+                                                                accepted=verified_steps(accepted, num_generated))}
 
     def _send(self, partial: _Partial, token_ids: list[int], spans: tuple[tuple[int, int], ...],
-              num_states: int, metadata: dict) -> None:
+              num_states: int, metadata: dict, served: tuple | None = None) -> None:
+        """Hands a finished capture's record to the sender (served: see `CapturedSequence.served`). The rows
+        its last steps kept go unjoined (`CapturedSequence.run`) unless blocks must be cut from them first."""
         if partial.images is not None:
-            self._send_with_images(partial, token_ids, spans, num_states, metadata)
+            self._flush_run(partial)
+            self._send_with_images(partial, token_ids, spans, num_states,
+                                   metadata if served is None else self._with_served_draft(metadata, served))
             return
-        self._stats.add("captured")
-        self._stats.add("captured_tokens", len(token_ids))
-        if partial.tag.metadata.get("source") == "live":
-            self._stats.add("captured_live")
+        live = partial.tag.metadata.get("source") == "live"
+        self._stats.add_many(("captured", 1), ("captured_tokens", len(token_ids)), ("captured_live", int(live)))
         if partial.chunks_start != partial.first_row or partial.num_parts or partial.plan_sent:
             # Blocks or parts went ahead of it: the plan's last blocks go now, then the record of the rest.
             plan = partial.prefix
-            if plan is not None and not partial.plan_sent and not self._send_blocks(partial, token_ids,
-                                                                                     plan.record_prefix):
-                partial.release()
-                return
+            if plan is not None and not partial.plan_sent:
+                self._flush_run(partial)
+                if not self._send_blocks(partial, token_ids, plan.record_prefix):
+                    partial.release()
+                    return
             self._emit(CapturedSequence(tag=partial.tag, token_ids=token_ids, chunks=partial.chunks, loss_spans=spans,
                                         num_states=num_states, metadata=metadata, parts_before=partial.num_parts,
-                                        rows_start=partial.chunks_start))
+                                        rows_start=partial.chunks_start, run=partial.run, served=served))
             return
-        self._emit(CapturedSequence(tag=partial.tag, token_ids=token_ids, chunks=partial.chunks,
-                                    loss_spans=spans, num_states=num_states, metadata=metadata, prefix=partial.prefix))
+        self._emit(CapturedSequence(tag=partial.tag, token_ids=token_ids, chunks=partial.chunks, loss_spans=spans,
+                                    num_states=num_states, metadata=metadata, prefix=partial.prefix, run=partial.run,
+                                    served=served))
 
     def _send_with_images(self, partial: _Partial, token_ids: list[int], spans: tuple[tuple[int, int], ...],
                           num_states: int, metadata: dict) -> None:

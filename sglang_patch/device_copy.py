@@ -370,20 +370,38 @@ class RowCopier:
     def join(self, pieces: Sequence[RowPiece]) -> HostRows:
         """One HostRows of the pieces' rows, in order, copied on the copy thread (which first waits for each
         piece's own copy); each piece's hold on its lease is given up once its rows are copied."""
-        num_rows = sum(end - start for _, start, end in pieces)
-        first = pieces[0][0]
-        aux = torch.empty((num_rows, first.aux.shape[1]), dtype=first.aux.dtype)  # (R, K*H)
-        final = torch.empty((num_rows, first.final.shape[1]), dtype=first.final.dtype)  # (R, H)
+        aux, final = _empty_rows(pieces)
 
         def job() -> None:
-            try:
-                arrays = [rows.arrays(start, end) for rows, start, end in pieces]
-                np.concatenate([piece_aux for piece_aux, _ in arrays], out=_ints(aux))
-                np.concatenate([piece_final for _, piece_final in arrays], out=_ints(final))
-            finally:
-                release_pieces(pieces)
+            _copy_pieces(pieces, aux, final)
 
         return HostRows(aux=aux, final=final, ready=self.jobs.submit(job))
+
+
+def join_pieces(pieces: Sequence[RowPiece]) -> HostRows:
+    """`RowCopier.join` on the calling thread (the sender's), once each piece's own copy has landed."""
+    aux, final = _empty_rows(pieces)
+    _copy_pieces(pieces, aux, final)
+    return HostRows(aux=aux, final=final)
+
+
+def _empty_rows(pieces: Sequence[RowPiece]) -> tuple[torch.Tensor, torch.Tensor]:
+    num_rows = sum(end - start for _, start, end in pieces)
+    first = pieces[0][0]
+    aux = torch.empty((num_rows, first.aux.shape[1]), dtype=first.aux.dtype)  # (R, K*H)
+    final = torch.empty((num_rows, first.final.shape[1]), dtype=first.final.dtype)  # (R, H)
+    return aux, final
+
+
+def _copy_pieces(pieces: Sequence[RowPiece], aux: torch.Tensor, final: torch.Tensor) -> None:
+    """The pieces' rows into aux and final, in order (numpy: one thread, no OpenMP team); each piece's hold on its
+    lease is given up, copied or not."""
+    try:
+        arrays = [rows.arrays(start, end) for rows, start, end in pieces]
+        np.concatenate([piece_aux for piece_aux, _ in arrays], out=_ints(aux))
+        np.concatenate([piece_final for _, piece_final in arrays], out=_ints(final))
+    finally:
+        release_pieces(pieces)
 
 
 def host_copy(rows: torch.Tensor) -> torch.Tensor:

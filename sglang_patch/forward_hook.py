@@ -40,7 +40,7 @@ from sglang_patch.sender import ModelIdentity, Sender, record_dtype
 from sglang_patch.settings import CaptureSettings
 from sglang_patch.speculative import SpecCaptureRefused, SpecServing, draft_digest, spec_capture_layers, spec_serving
 from sglang_patch.spool import Spool, SpoolDirectoryError, check_private_directory
-from sglang_patch.stats import CaptureStats
+from sglang_patch.stats import CaptureStats, HookTimer
 
 logger = logging.getLogger("eagle_tap.plugin")
 
@@ -85,6 +85,9 @@ class CaptureHook:
         """Digest of the serving draft (config and weights); None until computed, and after a weight update."""
         self._spec_worker: Any = None
         """SGLang's speculative worker (`EAGLEWorkerV2`): the draft and target models are found through it."""
+        self._step_timers = tuple(HookTimer(self.stats, seed=seed) for seed in (1, 2, 3))
+        """The hooks of every step, each measured on some calls: a decode forward, a processed batch, a verify
+        forward. An extend, rarer and heavier, is measured every time."""
 
     def __call__(self, result: Any, worker: Any, batch: Any = None, *args: Any, **kwargs: Any) -> None:
         if self._disabled:
@@ -110,12 +113,12 @@ class CaptureHook:
             if aux is None or final is None:
                 self.stats.add("batches_without_states")
                 return None
+            if decode:  # every step: measured on some of them (`HookTimer`)
+                self._step_timers[0].run(self._assembler.on_decode, batch.reqs, aux, final)
+                return None
             started_ns, started_cpu_ns = time.perf_counter_ns(), time.thread_time_ns()
-            if decode:
-                self._assembler.on_decode(batch.reqs, aux, final)
-            else:
-                self._assembler.on_extend(batch.reqs, batch.prefix_lens, batch.extend_lens, aux, final,
-                                          getattr(logits_output, "mm_input_embeds", None))
+            self._assembler.on_extend(batch.reqs, batch.prefix_lens, batch.extend_lens, aux, final,
+                                      getattr(logits_output, "mm_input_embeds", None))
             # What the scheduler's thread spends on capture per forward (hook + device copy), not counting
             # preemption nor the counting itself.
             self.stats.add_hook_time(time.perf_counter_ns() - started_ns, time.thread_time_ns() - started_cpu_ns)
@@ -159,14 +162,12 @@ class CaptureHook:
         if self._disabled or self._assembler is None or batch is None or not self._assembler.generating:
             return None
         try:
-            started_ns, started_cpu_ns = time.perf_counter_ns(), time.thread_time_ns()
             batch_result = args[0] if args else kwargs.get("result")
             num_correct = getattr(batch_result, "num_correct_drafts_per_req_cpu", None)
-            if self._spec is not None and num_correct is not None:
-                self._assembler.on_verify_processed(batch.reqs, num_correct)
-            self._assembler.on_finished(batch.reqs)
+            if self._spec is None or num_correct is None:
+                num_correct = None
             # on the scheduler's thread too: counted with the forward hooks
-            self.stats.add_hook_time(time.perf_counter_ns() - started_ns, time.thread_time_ns() - started_cpu_ns)
+            self._step_timers[1].run(self._assembler.on_processed, batch.reqs, num_correct)
         except Exception:
             self._count_error("finish")
         return None
@@ -196,10 +197,8 @@ class CaptureHook:
             if aux is None or final is None or accept_index is None:
                 self.stats.add("batches_without_states")
                 return None
-            num_draft_tokens = int(result.speculative_num_draft_tokens)
-            started_ns, started_cpu_ns = time.perf_counter_ns(), time.thread_time_ns()
-            self._assembler.on_verify(batch.reqs, aux, final, accept_index, num_draft_tokens)
-            self.stats.add_hook_time(time.perf_counter_ns() - started_ns, time.thread_time_ns() - started_cpu_ns)
+            self._step_timers[2].run(self._assembler.on_verify, batch.reqs, aux, final, accept_index,
+                                     int(result.speculative_num_draft_tokens))
         except Exception:
             self._count_error("verify")
         return None

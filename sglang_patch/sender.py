@@ -159,7 +159,7 @@ def to_records(captured: CapturedSequence, model: ModelIdentity, parts_digest: s
     records.append(CaptureRecord(
         record_id=captured.tag.record_id, sample_id=captured.tag.sample_id, token_ids=token_ids,
         loss_spans=captured.loss_spans, aux=aux[own - first_row :],  # (S - own, K, H)
-        final=final[own - first_row :], metadata=captured.metadata,  # (S - own, H)
+        final=final[own - first_row :], metadata=captured.record_metadata(),  # (S - own, H)
         states_prefix=reference(own), **images, **shared))
     return records
 
@@ -175,7 +175,7 @@ def _part_or_closing(captured: CapturedSequence, token_ids: np.ndarray, aux: np.
         return CaptureRecord(record_id=block_id, sample_id=block_id, token_ids=token_ids, loss_spans=(),
                              aux=aux, final=final, metadata=part_metadata(captured.tag.record_id, captured.part_index),
                              states_prefix=reference, **shared)
-    metadata = captured.metadata
+    metadata = captured.record_metadata()
     if captured.parts_before:
         if parts_digest is None:
             raise ValueError(f"it closes {captured.parts_before} parts and their digest is unknown")

@@ -278,5 +278,5 @@ def test_verified_rows_of_a_replica_serving_a_draft_go_in_parts_too() -> None:
     aux, record = joined(emitted, "rec-1")
     assert record.parts_before >= 4 and record.num_states == len(record.token_ids) - 1
     assert aux[:, 0].tolist() == [1000.0 + position for position in range(record.num_states)]
-    assert record.metadata["served_draft"]["accepted_per_step"] == "".join(map(str, accepted))
+    assert record.record_metadata()["served_draft"]["accepted_per_step"] == "".join(map(str, accepted))
     assert stats.snapshot()["dropped"] == {}

@@ -149,9 +149,10 @@ def test_a_long_generation_reaches_the_sender_in_a_few_blocks(tree) -> None:
         verify(asm, [a, b], [step % 4, (step + 1) % 4], tree=tree, finish={"rid-1", "rid-2"} if step == 149 else set())
     assert sorted(captured.tag.record_id for captured in emitted) == ["rec-1", "rec-2"]
     for captured in emitted:
-        assert len(captured.chunks) == 1 + 3  # the prompt's, then one per 64 verify steps
+        # the prompt's, one per 64 verify steps, and the last 22 steps' rows, which the sender joins
+        assert len(captured.chunks) == 1 + 2 and len(captured.run) == 150 - 128
         check_rows(captured, int(captured.tag.record_id[-1]))
-        assert captured.metadata["served_draft"]["verify_steps"] == 150
+        assert captured.record_metadata()["served_draft"]["verify_steps"] == 150
 
 
 def test_a_verify_step_runs_no_tensor_op_on_the_schedulers_thread() -> None:
@@ -171,6 +172,31 @@ def test_a_verify_step_runs_no_tensor_op_on_the_schedulers_thread() -> None:
         asm.on_verify_processed(reqs, [1, 0, 3])
     assert verify_ops.ops == [] and processed_ops.ops == []  # references and counts only
     assert asm.num_partials == 3 and all(len(partial.run) == 1 for partial in asm._partials.values())
+
+
+def test_a_finishing_capture_runs_no_tensor_op_on_the_schedulers_thread() -> None:
+    """The step that finishes a capture hands its record over with the rows its last steps kept unjoined and its
+    `served_draft` metadata not made yet: the sender's thread joins and makes them."""
+    emitted: list = []
+    asm = deferred_assembler(emitted)
+    reqs = [SpecReq(1, 5), SpecReq(2, 3)]
+    prefill(asm, reqs)
+    hook_ops: list[str] = []  # the tensor operations of the hooks' calls (not of the test's making the outputs)
+    for name in ("on_verify", "on_verify_processed", "on_finished"):
+        def counted(*args, call=getattr(asm, name)) -> None:
+            with AtenOps() as ops:
+                call(*args)
+            hook_ops.extend(ops.ops)
+        setattr(asm, name, counted)
+    verify(asm, reqs, [2, 1])
+    verify(asm, reqs, [0, 3], finish={"rid-1", "rid-2"})
+    assert hook_ops == [] and sorted(captured.tag.record_id for captured in emitted) == ["rec-1", "rec-2"]
+    for captured in emitted:
+        assert len(captured.chunks) == 1 and len(captured.run) == 2  # the prompt's rows, then two steps' pieces
+        check_rows(captured, int(captured.tag.record_id[-1]))  # joined here, as on the sender's thread
+        assert captured.run == [] and len(captured.chunks) == 2
+        accepted = "20" if captured.tag.record_id == "rec-1" else "13"
+        assert captured.record_metadata()["served_draft"]["accepted_per_step"] == accepted
 
 
 def decode(asm, reqs: list[SpecReq], *, finish: bool = False, ops: list[str] | None = None) -> None:
@@ -204,6 +230,7 @@ def test_a_draftless_decode_step_runs_no_tensor_op_and_its_rows_reach_the_sender
         decode(asm, reqs, finish=step == 149)
     assert sorted(captured.tag.record_id for captured in emitted) == ["rec-1", "rec-2"]
     for captured in emitted:
-        assert len(captured.chunks) == 1 + 3  # the prompt's, then one per 64 decode steps
+        # the prompt's, one per 64 decode steps, and the last 22 steps' rows, which the sender joins
+        assert len(captured.chunks) == 1 + 2 and len(captured.run) == 150 - 128
         assert captured.num_states == len(captured.token_ids) - 1
         check_rows(captured, int(captured.tag.record_id[-1]))

@@ -123,9 +123,9 @@ def test_verify_steps_keep_the_accepted_rows_in_order(assembler, tree):
     assert record_a.token_ids == a.full_untruncated_fill_ids and record_a.num_states == len(a.full_untruncated_fill_ids) - 1
     check_rows(record_a, 1)
     check_rows(record_b, 2)
-    assert record_a.metadata[METADATA_KEY]["accepted_per_step"] == "310"
-    assert record_b.metadata[METADATA_KEY]["accepted_per_step"] == "02"
-    assert record_a.metadata[METADATA_KEY]["accepted_at_position"] == [2, 1, 1]
+    assert record_a.record_metadata()[METADATA_KEY]["accepted_per_step"] == "310"
+    assert record_b.record_metadata()[METADATA_KEY]["accepted_per_step"] == "02"
+    assert record_a.record_metadata()[METADATA_KEY]["accepted_at_position"] == [2, 1, 1]
     assert stats.snapshot()["dropped"] == {}
 
 
@@ -137,7 +137,7 @@ def test_a_step_sglang_does_not_count_takes_no_rows(assembler):
     a.finished_reason = type("FINISH_LENGTH", (), {})()  # finished, but still in the next verify batch
     verify(asm, [a], [2])
     assert len(emitted) == 1 and emitted[0].num_states == 4  # the prompt; the first token has no state
-    assert emitted[0].metadata[METADATA_KEY]["verify_steps"] == 0
+    assert emitted[0].record_metadata()[METADATA_KEY]["verify_steps"] == 0
 
 
 def test_rows_that_disagree_with_the_tokens_drop_the_capture(assembler):
@@ -157,7 +157,7 @@ def test_a_prefill_record_on_a_draft_serving_replica_says_no_step_ran(assembler)
     req = SimpleNamespace(rid="rid-9", full_untruncated_fill_ids=[1, 2, 3], sampling_params=None)
     aux, final = positions_rows(9, [0, 1, 2])
     asm.on_extend([req], [0], [3], aux, final)
-    served = emitted[0].metadata[METADATA_KEY]
+    served = emitted[0].record_metadata()[METADATA_KEY]
     assert served["verify_steps"] == 0 and served["accepted_per_step"] == "" and served["draft"] == "d" * 32
 
 

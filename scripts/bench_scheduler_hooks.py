@@ -1,0 +1,166 @@
+"""What the plugin's hooks cost the scheduler's thread on a replica serving an EAGLE-3 draft, called whole, as SGLang
+calls them, without a server, with the processor's caches cold as after a forward.
+
+`scripts/bench_verify_hook.py` drives the assembler alone, warm. Here each generation runs the hooks SGLang calls:
+the forward hook after the prefill (`CaptureHook.__call__`), then per verify step `on_spec_forward` (after the
+forward) and `on_batch_processed` (after the scheduler processed the step; the last one finishes the captures
+and hands their records over), with the plugin's CPU copier (`DeferredHostCopier`) and the records handed to a
+list, not a sender. Before each call (`--cold`, the default) the script writes 32 MiB, as a forward does: on the
+server the hooks run right after one, and this machine's scheduler thread ran them 3-5x slower than warm. In the
+server `scripts/bench_verify_hook.py`'s warm figures were never reached; these cold ones land near the
+spec-capture benchmark's.
+
+Prints, per width and share of the batch captured, the scheduler thread's CPU per captured token (thread CPU
+time around each call, median of `--repeats` runs) and what the hooks counted themselves (`hook_cpu_ns`,
+measured on some calls: `sglang_patch.stats.HookTimer`), then the median call of each kind.
+
+    .venv/bin/python scripts/bench_scheduler_hooks.py [--generations 10] [--steps 10] [--repeats 3] [--warm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+
+from capture_format.tag import CaptureTag
+from sglang_patch.capture import CaptureAssembler
+from sglang_patch.device_copy import DeferredHostCopier
+from sglang_patch.forward_hook import CaptureHook
+from sglang_patch.settings import CaptureSettings
+from sglang_patch.speculative import SpecServing
+
+NUM_STEPS, NUM_DRAFT_TOKENS = 3, 4  # a chain of 3: 4 candidate rows a request
+CHAIN = SpecServing(algorithm="EAGLE3", draft_path="draft", num_steps=NUM_STEPS, topk=1,
+                    num_draft_tokens=NUM_DRAFT_TOKENS)
+PROMPT_LEN = 16
+EVICT = torch.ones(8 << 20, dtype=torch.float32)  # 32 MiB, written before each call when cold
+
+
+class Mode:
+    """A batch's forward mode, as the hooks read it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def is_extend(self) -> bool:
+        return self.name == "EXTEND"
+
+    def is_idle(self) -> bool:
+        return False
+
+
+class Req:
+    """A request as SGLang's scheduler holds it under speculative decoding (the fields the plugin reads)."""
+
+    def __init__(self, number: int, captured: bool) -> None:
+        params = {}
+        if captured:
+            params = CaptureTag(record_id=f"rec-{number}", sample_id=f"s-{number}", loss_spans=(),
+                                mode="generate").to_custom_params()
+        self.rid = f"rid-{number}"
+        self.origin_input_ids = list(range(PROMPT_LEN))
+        self.full_untruncated_fill_ids = self.origin_input_ids
+        self.output_ids: list[int] = []
+        self.finished_len = self.finished_reason = self.cache_salt = self.input_embeds = None
+        self.mm_inputs = self.multimodal_inputs = None
+        self.spec_verify_ct = 0
+        self.sampling_params = SimpleNamespace(custom_params=params)
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+
+def run(*, batch: int, captured: int, hidden: int, generations: int, steps: int, accepted: int,
+        cold: bool) -> tuple[float, float, dict[str, list[int]]]:
+    """(thread CPU us per captured token around the calls, the hooks' own count of it, CPU ns of each call by kind)."""
+    emitted: list = []
+    hook = CaptureHook(CaptureSettings(collector_url="http://127.0.0.1:9"))
+    hook._spec, hook._draft_identity = CHAIN, "d" * 32
+    hook._assembler = CaptureAssembler(stats=hook.stats, emit=emitted.append, selector=hook.selector,
+                                       copier=DeferredHostCopier(), served_draft=hook.served_draft)
+    calls: dict[str, list[int]] = {}
+
+    def call(kind: str, hook_call, *args) -> None:
+        if cold:
+            EVICT.mul_(1.0000001)
+        started = time.thread_time_ns()
+        hook_call(*args)
+        calls.setdefault(kind, []).append(time.thread_time_ns() - started)
+
+    tokens = 0
+    for generation in range(generations):
+        reqs = [Req(generation * batch + i, i < captured) for i in range(batch)]
+        for req in reqs:
+            hook.selector.on_request(req)
+        extend = SimpleNamespace(forward_mode=Mode("EXTEND"), reqs=reqs, prefix_lens=[0] * batch,
+                                 extend_lens=[PROMPT_LEN] * batch)
+        outputs = SimpleNamespace(
+            hidden_states=torch.zeros((batch * PROMPT_LEN, 3 * hidden), dtype=torch.bfloat16),  # (B*P, K*H)
+            last_hidden_states=torch.zeros((batch * PROMPT_LEN, hidden), dtype=torch.bfloat16))  # (B*P, H)
+        call("prefill forward", hook, SimpleNamespace(logits_output=outputs), None, extend)
+        for req in reqs:
+            req.output_ids.append(1)
+        call("prefill processed", hook.on_batch_processed, None, None, extend, SimpleNamespace())
+        accept_index = torch.full((batch, NUM_STEPS + 1), -1, dtype=torch.int32)  # (B, W): a chain's front
+        for i in range(batch):
+            accept_index[i, : accepted + 1] = torch.arange(i * NUM_DRAFT_TOKENS, i * NUM_DRAFT_TOKENS + accepted + 1)
+        decode = SimpleNamespace(forward_mode=Mode("DECODE"), reqs=reqs)
+        for step in range(steps):
+            # Each verify forward allocates its outputs anew on CPU (the copier keeps references to them).
+            outputs = SimpleNamespace(
+                hidden_states=torch.zeros((batch * NUM_DRAFT_TOKENS, 3 * hidden), dtype=torch.bfloat16),
+                last_hidden_states=torch.zeros((batch * NUM_DRAFT_TOKENS, hidden), dtype=torch.bfloat16))
+            result = SimpleNamespace(logits_output=outputs, accept_index=accept_index.clone(),
+                                     speculative_num_draft_tokens=NUM_DRAFT_TOKENS)
+            call("verify forward", hook.on_spec_forward, result, None, decode)
+            for req in reqs:  # the scheduler processes the step
+                req.output_ids.extend([2] * (accepted + 1))
+                req.spec_verify_ct += 1
+                if step == steps - 1:
+                    req.finished_reason = SimpleNamespace()
+            call("verify processed, finishing" if step == steps - 1 else "verify processed", hook.on_batch_processed,
+                 None, None, decode, SimpleNamespace(num_correct_drafts_per_req_cpu=[accepted] * batch))
+        tokens += captured * (PROMPT_LEN + steps * (accepted + 1))
+    assert len(emitted) == captured * generations, f"{len(emitted)} records, {captured * generations} captured"
+    for record in emitted:
+        record.states()  # every row reached the record (joined here, as on the sender's thread)
+    spent_ns = sum(sum(times) for times in calls.values())
+    return spent_ns / 1e3 / tokens, hook.stats.snapshot().get("hook_cpu_ns", 0) / 1e3 / tokens, calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--generations", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="verify steps a generation")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--accepted", type=int, default=2, help="drafts each step accepts (tokens a step - 1)")
+    parser.add_argument("--warm", action="store_true", help="leave the caches as the last call left them")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    tokens = PROMPT_LEN + args.steps * (args.accepted + 1)
+    print(f"{args.batch} requests a batch, {PROMPT_LEN} prompt tokens and {args.steps} verify steps of "
+          f"{args.accepted + 1} tokens each ({tokens} captured tokens a request), {args.generations} generations, "
+          f"caches {'warm' if args.warm else 'cold'}; scheduler thread CPU, median (range) of {args.repeats} runs")
+    print("| hidden | captured | us per captured token | hooks' own count | median call, us |")
+    print("|---|---|---|---|---|")
+    for hidden in (128, 7168):
+        for captured in (args.batch, 1):
+            runs = [run(batch=args.batch, captured=captured, hidden=hidden, generations=args.generations,
+                        steps=args.steps, accepted=args.accepted, cold=not args.warm) for _ in range(args.repeats)]
+            around, own = [value for value, _, _ in runs], [value for _, value, _ in runs]
+            per_kind: dict[str, list[int]] = {}
+            for _, _, calls in runs:
+                for kind, times in calls.items():
+                    per_kind.setdefault(kind, []).extend(times)
+            kinds = "; ".join(f"{kind} {statistics.median(times) / 1e3:.1f}" for kind, times in per_kind.items())
+            print(f"| {hidden} | {captured} of {args.batch} | {statistics.median(around):.2f} "
+                  f"({min(around):.2f}-{max(around):.2f}) | {statistics.median(own):.2f} | {kinds} |")
+
+
+if __name__ == "__main__":
+    main()
