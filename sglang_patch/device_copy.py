@@ -185,7 +185,7 @@ class VerifyRows:
     to the forward's outputs (on CPU: `DeferredHostCopier`): request i's W rows are [i * W, (i + 1) * W), W =
     accept_index.shape[1], read on the copy thread only (`arrays`, by `RowCopier.join`)."""
 
-    __slots__ = ("aux", "final", "accept_index", "positions", "num_draft_tokens", "width", "held_nbytes")
+    __slots__ = ("aux", "final", "accept_index", "positions", "num_draft_tokens", "width", "held_nbytes", "_arrays")
     lease = None
 
     def __init__(self, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor | None, positions: list[int],
@@ -197,6 +197,7 @@ class VerifyRows:
         self.num_draft_tokens = num_draft_tokens
         self.width = 1 if accept_index is None else accept_index.shape[1]
         self.held_nbytes = aux.nbytes + final.nbytes
+        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
 
     @property
     def row_nbytes(self) -> int:
@@ -214,11 +215,14 @@ class VerifyRows:
         assert 0 <= first <= last <= self.width, "a piece lies within one request's rows"
         position = self.positions[slot]
         block = position * self.num_draft_tokens
-        aux_rows = _ints(self.aux)[block + first : block + last]
-        if self.accept_index is None:  # a decode forward's row
-            return aux_rows, _ints(self.final)[block + first : block + last]
-        path = self.accept_index.numpy()[position, first:last].astype(np.int64).clip(min=0)  # (n,)
-        return aux_rows, _ints(self.final)[path]
+        if self._arrays is None:  # made once a block: the captures of a step share it (a race makes them twice)
+            self._arrays = (_ints(self.aux), _ints(self.final),
+                            None if self.accept_index is None else self.accept_index.numpy())
+        aux, final, accept_index = self._arrays
+        if accept_index is None:  # a decode forward's row
+            return aux[block + first : block + last], final[block + first : block + last]
+        path = accept_index[position, first:last].astype(np.int64).clip(min=0)  # (n,)
+        return aux[block + first : block + last], final[path]
 
 
 RowPiece = tuple["HostRows | VerifyRows", int, int]
