@@ -114,7 +114,11 @@ class CaptureHook:
                 self.stats.add("batches_without_states")
                 return None
             if decode:  # every step: measured on some of them (`HookTimer`)
-                self._step_timers[0].run(self._assembler.on_decode, batch.reqs, aux, final)
+                timer = self._step_timers[0]
+                started = timer.start()
+                self._assembler.on_decode(batch.reqs, aux, final)
+                if started is not None:
+                    timer.stop(started)
                 return None
             started_ns, started_cpu_ns = time.perf_counter_ns(), time.thread_time_ns()
             self._assembler.on_extend(batch.reqs, batch.prefix_lens, batch.extend_lens, aux, final,
@@ -166,8 +170,11 @@ class CaptureHook:
             num_correct = getattr(batch_result, "num_correct_drafts_per_req_cpu", None)
             if self._spec is None or num_correct is None:
                 num_correct = None
-            # on the scheduler's thread too: counted with the forward hooks
-            self._step_timers[1].run(self._assembler.on_processed, batch.reqs, num_correct)
+            timer = self._step_timers[1]  # on the scheduler's thread too: counted with the forward hooks
+            started = timer.start()
+            self._assembler.on_processed(batch.reqs, num_correct)
+            if started is not None:
+                timer.stop(started)
         except Exception:
             self._count_error("finish")
         return None
@@ -197,8 +204,11 @@ class CaptureHook:
             if aux is None or final is None or accept_index is None:
                 self.stats.add("batches_without_states")
                 return None
-            self._step_timers[2].run(self._assembler.on_verify, batch.reqs, aux, final, accept_index,
-                                     int(result.speculative_num_draft_tokens))
+            timer = self._step_timers[2]
+            started = timer.start()
+            self._assembler.on_verify(batch.reqs, aux, final, accept_index, int(result.speculative_num_draft_tokens))
+            if started is not None:
+                timer.stop(started)
         except Exception:
             self._count_error("verify")
         return None
