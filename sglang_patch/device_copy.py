@@ -52,6 +52,7 @@ import dataclasses
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -263,9 +264,12 @@ class CopyJobs:
     Its copies are numpy's (single-threaded, GIL released), for the reason `host_copy` gives. Like the sender
     thread it runs `nice` lower than the server (Linux, per thread): the forward's threads go first."""
 
-    def __init__(self, name: str = "eagle-tap-copy", nice: int = 10) -> None:
+    def __init__(self, name: str = "eagle-tap-copy", nice: int = 10,
+                 count_cpu: Callable[[int], None] | None = None) -> None:
         self._name = name
         self._nice = nice
+        self._count_cpu = count_cpu
+        """Given the thread CPU (ns) of each job and of freeing what it held (the plugin: `copy_cpu_ns`)."""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -290,6 +294,7 @@ class CopyJobs:
                 pass  # copies then compete with the forward as the scheduler's own would
         while True:
             job, done = self._queue.get()
+            started_ns = time.thread_time_ns()
             try:
                 job()
             except BaseException as error:  # counted where the rows are read (`CopyFailed`), never raised here
@@ -298,6 +303,11 @@ class CopyJobs:
             # learns it ran: a tensor freed on this daemon thread while the interpreter shuts down (the waiter
             # was the last thing the main thread did) takes the GIL in its deleter and aborts the process.
             del job
+            if self._count_cpu is not None:
+                try:
+                    self._count_cpu(time.thread_time_ns() - started_ns)
+                except Exception:  # a count never keeps the waiter waiting
+                    pass
             done.set()
             del done
 
@@ -323,12 +333,14 @@ class RowCopier:
     _jobs: CopyJobs | None = None
     copy_thread_nice = 10
     """How much lower the copy thread's priority is than the server's (the hook sets EAGLE_TAP_SENDER_NICE's)."""
+    count_copy_cpu: Callable[[int], None] | None = None
+    """Given the copy thread's CPU (ns) of each job (the hook: the stats' `copy_cpu_ns`)."""
 
     @property
     def jobs(self) -> CopyJobs:
         """The copy thread of this copier (joins, and on CPU every copy)."""
         if self._jobs is None:
-            self._jobs = CopyJobs(nice=self.copy_thread_nice)
+            self._jobs = CopyJobs(nice=self.copy_thread_nice, count_cpu=self.count_copy_cpu)
         return self._jobs
 
     def copy(self, aux: torch.Tensor, final: torch.Tensor, ranges: RowRanges) -> list[HostRows] | None:

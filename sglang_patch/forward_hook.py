@@ -22,6 +22,7 @@ check), and again at the first forward after a weight update (`on_weights_update
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import threading
@@ -363,6 +364,7 @@ class CaptureHook:
         dp_rank = _parallel_rank("attn_dp_rank")
         copier = self._row_copier(worker)
         copier.copy_thread_nice = self._settings.sender_nice
+        copier.count_copy_cpu = functools.partial(self.stats.add, "copy_cpu_ns")  # capture's CPU off the scheduler
         try:
             check_private_directory(self._settings.spool_dir)
             spool = Spool(self._settings.spool_dir / f"dp{dp_rank}", self._settings.spool_max_bytes)

@@ -4,6 +4,7 @@ into a few blocks per capture. The records' parity on real servers is in tests/t
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -234,3 +235,18 @@ def test_a_draftless_decode_step_runs_no_tensor_op_and_its_rows_reach_the_sender
         assert len(captured.chunks) == 1 + 2 and len(captured.run) == 150 - 128
         assert captured.num_states == len(captured.token_ids) - 1
         check_rows(captured, int(captured.tag.record_id[-1]))
+
+
+def test_the_copy_threads_cpu_is_counted_per_job() -> None:
+    """The copy thread's CPU is capture's too (stats `copy_cpu_ns`): each job's is handed to the counter."""
+    counted: list[int] = []
+    jobs = CopyJobs(count_cpu=counted.append)
+
+    def busy() -> None:
+        until = time.thread_time_ns() + 2_000_000  # 2 ms of this thread's CPU
+        while time.thread_time_ns() < until:
+            pass
+
+    for wait in [jobs.submit(busy) for _ in range(3)]:
+        wait()  # counted before the waiter is told
+    assert len(counted) == 3 and all(2_000_000 <= cpu_ns < 200_000_000 for cpu_ns in counted)

@@ -226,13 +226,14 @@ def run(config: Config) -> dict[str, Any]:
         return spent_ns / 1e3 / measured_tokens if measured_tokens else float("nan")
 
     hook_us, hook_cpu_us, sender_us = per_token_us("hook_ns"), per_token_us("hook_cpu_ns"), per_token_us("sender_cpu_ns")
+    copy_us = per_token_us("copy_cpu_ns")
     plain_cpu_us = statistics.median(row["plain_cpu_us_token"] for row in rows)
     capturing_cpu_us = statistics.median(row["capturing_cpu_us_token"] for row in rows)
     collector_cpu_us = statistics.median(row["collector_cpu_us_token"] for row in rows)
     # Capture's own CPU (thread CPU of the hook and the sender, the collector's process): unlike wall
     # time it does not grow when other work preempts us. The server's CPU per token also counts its
     # idle polling, so it grows when rounds slow down: the CPU ratio is a bound, best on a quiet machine.
-    capture_cpu_us = hook_cpu_us + sender_us + collector_cpu_us
+    capture_cpu_us = hook_cpu_us + sender_us + copy_us + collector_cpu_us
     capture_cpu_ratio = plain_cpu_us / (plain_cpu_us + capture_cpu_us)
     dropped = plugin_stats.get("dropped") or {}  # reason -> count
     dropped_text = ", ".join(f"{count} {reason}" for reason, count in dropped.items()) or "none"
@@ -240,6 +241,7 @@ def run(config: Config) -> dict[str, Any]:
         "median_ratio": ratio, "median_stored_ratio": stored_ratio, "ratio_goal": RATIO_GOAL,
         "server_startup_s": startup_s,
         "hook_us_per_token": hook_us, "hook_cpu_us_per_token": hook_cpu_us, "sender_cpu_us_per_token": sender_us,
+        "copy_cpu_us_per_token": copy_us,
         "capture_cpu_us_per_token": capture_cpu_us,
         "plain_cpu_us_per_token": plain_cpu_us, "capturing_cpu_us_per_token": capturing_cpu_us,
         "collector_cpu_us_per_token": collector_cpu_us, "collector_stats_get_ms": asking_s * 1e3,
@@ -254,7 +256,7 @@ def run(config: Config) -> dict[str, Any]:
         f"median ratio capturing / not loaded: **{ratio:.3f}** served (goal >= {RATIO_GOAL:.2f}), "
         f"**{stored_ratio:.3f}** stored; the plugin's sender and the collector share the server's cores here",
         f"capture CPU per captured token: scheduler thread in the hook {hook_cpu_us:.2f} us CPU "
-        f"({hook_us:.2f} us wall), sender thread {sender_us:.2f} us, collector {collector_cpu_us:.2f} us (less "
+        f"({hook_us:.2f} us wall), sender thread {sender_us:.2f} us, copy thread {copy_us:.2f} us, collector {collector_cpu_us:.2f} us (less "
         f"this benchmark's asking: {asking_s * 1e3:.2f} ms of its CPU a GET of /v1/stats, "
         f"{statistics.median(row['asked'] for row in rows):.0f} a round): "
         f"**{capture_cpu_us:.2f} us** in all, against {plain_cpu_us:.1f} us of the plain server (median; it "

@@ -21,7 +21,8 @@ Reported per rate:
   steps, which also counts the first token, the prefill's); and how many records agree with meta_info;
 - capture CPU per captured token over the measured rounds: the plugin's hooks on the scheduler's thread (stats
   `hook_cpu_ns`: after each forward, and after the scheduler processed a batch of a running generate capture),
-  its sender thread (`sender_cpu_ns`) and the collector's process.
+  its sender thread (`sender_cpu_ns`), its copy thread (`copy_cpu_ns`: the joins of kept rows) and the
+  collector's process.
 """
 
 from __future__ import annotations
@@ -208,6 +209,7 @@ def measure(config: Config, draft: Path, work: Path) -> dict[str, Any]:
 
         cpu_us = {"hook": per_token_us((after.get("hook_cpu_ns", 0) - before.get("hook_cpu_ns", 0)) / 1e9),
                   "sender": per_token_us((after.get("sender_cpu_ns", 0) - before.get("sender_cpu_ns", 0)) / 1e9),
+                  "copy": per_token_us((after.get("copy_cpu_ns", 0) - before.get("copy_cpu_ns", 0)) / 1e9),
                   "collector": per_token_us(sum(row[f"{name}_collector_cpu_s"] for row in rows))}
         ratios = [row[f"{name}_ratio"] for row in rows]
         result[name] = {"rate": rate, "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
@@ -255,8 +257,10 @@ def report(config: Config, measured: dict[str, Any], draft_note: str) -> dict[st
         row("  forward hook calls that did work; CPU per call",
             lambda entry: f"{entry['hook_calls']:,}; {_per_call_us(entry):.2f} us"),
         row("  sender thread (sender_cpu_ns)", lambda entry: f"{entry['cpu_us_per_token']['sender']:.2f} us"),
+        row("  copy thread (copy_cpu_ns: joins of kept rows)",
+            lambda entry: f"{entry['cpu_us_per_token'].get('copy', 0.0):.2f} us"),
         row("  collector process", lambda entry: f"{entry['cpu_us_per_token']['collector']:.2f} us"),
-        row("  all three (captured tokens)",
+        row("  all four (captured tokens)",
             lambda entry: f"{entry['cpu_us_per_token']['total']:.2f} us ({entry['captured_tokens']:,})"),
     ]
     absent = measured["absent_acceptance"]
