@@ -14,9 +14,10 @@ On a replica that serves an EAGLE-3 draft (`speculative.py`) a decode step is a 
 hands the copier one block of candidate rows for all the step's captured requests (each request's accepted
 path, `num_steps + 1` rows), and after the scheduler processed the step `on_verify_processed` notes, per
 request, how many of its rows the step accepted (a reference into the block, no copy, no tensor op); every
-`_RUN_MAX_STEPS` steps, at a part boundary and at the capture's end the rows noted are joined into one block
-on the copy thread (`RowCopier.join`), so a record reaches the sender in a few blocks, not one per step.
-The counts go into the record as `served_draft` metadata.
+`_RUN_MAX_STEPS` steps and at a part boundary the rows noted are joined into one block on the copy thread
+(`RowCopier.join`), so a record reaches the sender in a few blocks, not one per step; the rows noted since the
+last join go with the record unjoined, and the sender joins them (`CapturedSequence.run`). The counts go into
+the record as `served_draft` metadata, made on the sender's thread too (`CapturedSequence.served`).
 
 A capture in "prefill" mode is emitted at the chunk that ends the prompt. One in "generate" mode
 (`capture_format.tag`) goes on taking one row per decode step (noted as a verify step's rows are: one
@@ -148,8 +149,8 @@ class CapturedSequence:
     num_states: int
     """Rows of states: len(token_ids), or one fewer when the last token has none (generate mode)."""
     metadata: dict
-    """The tag's metadata, plus in generate mode how the generation ended (`finish_reason`) and, on a replica
-    that serves a draft, what it accepted (`served_draft`): read it once the sender has it (`served`)."""
+    """The tag's metadata, plus in generate mode how the generation ended (`finish_reason`); on a replica that
+    serves a draft the record's also holds what the draft did (`record_metadata`, from `served`)."""
     prefix: PrefixPlan | None = None
     """Prefix mode: the blocks reused and sent; the chunks then hold the rows from token prefix.reused on."""
     blocks_only: bool = False

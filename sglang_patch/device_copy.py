@@ -184,7 +184,8 @@ RowRanges = list[tuple[int, int]]
 class VerifyRows:
     """A verify forward's candidate rows of the captured requests at `positions` (batch order), kept as references
     to the forward's outputs (on CPU: `DeferredHostCopier`): request i's W rows are [i * W, (i + 1) * W), W =
-    accept_index.shape[1], read on the copy thread only (`arrays`, by `RowCopier.join`)."""
+    accept_index.shape[1], read off the scheduler's thread only (`arrays`: by `RowCopier.join` on the copy thread,
+    `join_pieces` on the sender's)."""
 
     __slots__ = ("aux", "final", "accept_index", "positions", "num_draft_tokens", "width", "held_nbytes", "_arrays")
     lease = None
