@@ -117,6 +117,32 @@ def test_joined_pieces_keep_their_order_and_give_their_slabs_back() -> None:
     assert pool.lent_bytes == 0
 
 
+@pytest.mark.parametrize("fate", ["joined by the sender", "dropped before"])
+def test_a_finished_captures_unjoined_rows_give_their_slabs_back(fate) -> None:
+    """The device path (pinned slabs, `PooledRowCopier`, here on CPU): the rows a finishing capture's last steps
+    kept reach the sender unjoined, each piece holding its slab; joined (`states`) or dropped (`release`, e.g. no
+    room in flight), every slab goes back to the pool."""
+    pool = HostBufferPool(1 << 20, lambda nbytes: torch.zeros(nbytes, dtype=torch.uint8), granule_bytes=1 << 10)
+    emitted: list = []
+    asm = CaptureAssembler(stats=CaptureStats(), emit=emitted.append, copier=PooledRowCopier(pool),
+                           served_draft=lambda: ("d" * 32, CHAIN))
+    for number in (1, 2):
+        asm.selector.on_request(SimpleNamespace(rid=f"rid-{number}", sampling_params=SimpleNamespace(
+            custom_params=CaptureTag(record_id=f"rec-{number}", sample_id=f"s-{number}", loss_spans=(),
+                                     mode="generate").to_custom_params()), cache_salt=None, input_embeds=None,
+            mm_inputs=None))
+    reqs = [SpecReq(1, 5), SpecReq(2, 3)]
+    prefill(asm, reqs)
+    verify(asm, reqs, [2, 1])
+    verify(asm, reqs, [0, 3], finish={"rid-1", "rid-2"})
+    assert len(emitted) == 2 and all(len(captured.run) == 2 for captured in emitted) and pool.lent_bytes > 0
+    for captured in emitted:
+        if fate == "joined by the sender":
+            check_rows(captured, int(captured.tag.record_id[-1]))
+        captured.release()
+    assert pool.lent_bytes == 0
+
+
 class AtenOps(TorchDispatchMode):
     """The tensor operations run on this thread while it is active."""
 
