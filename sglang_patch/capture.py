@@ -734,22 +734,13 @@ class CaptureAssembler:
         self._send(partial, token_ids, spans, num_states, metadata,
                    None if served is None else (*served, partial.accepted, num_generated))
 
-    def _with_served_draft(self, metadata: dict, served: tuple | None) -> dict:
-        """metadata with its `served_draft` entry (served: see `CapturedSequence.served`), made now."""
-        if served is None:
-            return metadata
-        draft, spec, accepted, num_generated = served
-        return {**metadata, METADATA_KEY: served_draft_metadata(draft=draft, spec=spec,
-                                                                accepted=verified_steps(accepted, num_generated))}
-
     def _send(self, partial: _Partial, token_ids: list[int], spans: tuple[tuple[int, int], ...],
               num_states: int, metadata: dict, served: tuple | None = None) -> None:
         """Hands a finished capture's record to the sender (served: see `CapturedSequence.served`). The rows
         its last steps kept go unjoined (`CapturedSequence.run`) unless blocks must be cut from them first."""
         if partial.images is not None:
             self._flush_run(partial)
-            self._send_with_images(partial, token_ids, spans, num_states,
-                                   metadata if served is None else self._with_served_draft(metadata, served))
+            self._send_with_images(partial, token_ids, spans, num_states, metadata, served)
             return
         live = partial.tag.metadata.get("source") == "live"
         self._stats.add_many(("captured", 1), ("captured_tokens", len(token_ids)), ("captured_live", int(live)))
@@ -770,7 +761,7 @@ class CaptureAssembler:
                                     served=served))
 
     def _send_with_images(self, partial: _Partial, token_ids: list[int], spans: tuple[tuple[int, int], ...],
-                          num_states: int, metadata: dict) -> None:
+                          num_states: int, metadata: dict, served: tuple | None) -> None:
         """The record of a request with images: the placeholder id at its image positions, no loss there, and
         the input embeddings of every one of them (else it is dropped: `image_embeds_missing`)."""
         images = partial.images
@@ -781,14 +772,13 @@ class CaptureAssembler:
         if images.placeholder_id is not None:
             for start, end in images.spans:
                 token_ids[start:end] = [images.placeholder_id] * (end - start)
-        self._stats.add("captured")
-        self._stats.add("captured_images")
-        self._stats.add("captured_tokens", len(token_ids))
-        if partial.tag.metadata.get("source") == "live":
-            self._stats.add("captured_live")
+        live = partial.tag.metadata.get("source") == "live"
+        self._stats.add_many(("captured", 1), ("captured_images", 1), ("captured_tokens", len(token_ids)),
+                             ("captured_live", int(live)))
         self._emit(CapturedSequence(tag=partial.tag, token_ids=token_ids, chunks=partial.chunks,
                                     loss_spans=spans_without(spans, images.spans), num_states=num_states,
-                                    metadata=metadata, input_embed_spans=images.spans, input_embeds=partial.embeds))
+                                    metadata=metadata, input_embed_spans=images.spans, input_embeds=partial.embeds,
+                                    served=served))
 
     def on_aborted(self, rid: str) -> None:
         """A request the scheduler ended outside a batch (aborted while queued, e.g. after a retraction, or

@@ -168,9 +168,7 @@ class CaptureHook:
             return None
         try:
             batch_result = args[0] if args else kwargs.get("result")
-            num_correct = getattr(batch_result, "num_correct_drafts_per_req_cpu", None)
-            if self._spec is None or num_correct is None:
-                num_correct = None
+            num_correct = None if self._spec is None else getattr(batch_result, "num_correct_drafts_per_req_cpu", None)
             timer = self._step_timers[1]  # on the scheduler's thread too: counted with the forward hooks
             started = timer.start()
             self._assembler.on_processed(batch.reqs, num_correct)

@@ -112,14 +112,15 @@ class CaptureStats:
         with self._lock:
             self._counts[name] += amount
 
-    def add_hook_time(self, wall_ns: int, cpu_ns: int) -> None:
-        """One hook call's time on the scheduler's thread (`hook_ns`, `hook_cpu_ns`, `hook_calls`): after a forward,
-        and after the scheduler processed a batch of a running generate capture. One lock: it runs that often."""
+    def add_hook_time(self, wall_ns: int, cpu_ns: int, calls: int = 1) -> None:
+        """Hook calls' time on the scheduler's thread (`hook_ns`, `hook_cpu_ns`, `hook_calls`): after a forward,
+        and after the scheduler processed a batch of a running generate capture; for `calls` calls, an estimate
+        (`HookTimer`). One lock: it runs that often."""
         with self._lock:
             counts = self._counts
             counts["hook_ns"] += wall_ns
             counts["hook_cpu_ns"] += cpu_ns
-            counts["hook_calls"] += 1
+            counts["hook_calls"] += calls
 
     def add_many(self, *counts: tuple[str, int]) -> None:
         """Several counts under one lock (name, amount); an amount of 0 adds no name."""
@@ -127,14 +128,6 @@ class CaptureStats:
             for name, amount in counts:
                 if amount:
                     self._counts[name] += amount
-
-    def add_hook_times(self, calls: int, wall_ns: int, cpu_ns: int) -> None:
-        """`calls` hook calls and their (estimated: `HookTimer`) time on the scheduler's thread."""
-        with self._lock:
-            counts = self._counts
-            counts["hook_ns"] += wall_ns
-            counts["hook_cpu_ns"] += cpu_ns
-            counts["hook_calls"] += calls
 
     def set(self, name: str, value: int) -> None:
         """A gauge: the current value, not a count."""
@@ -215,4 +208,4 @@ class HookTimer:
         """After a measured call: its time, standing for `every` calls, and the calls counted since the last."""
         cpu_ns, wall_ns = time.thread_time_ns() - started[1], time.perf_counter_ns() - started[0]
         calls, self._untimed = self._untimed + 1, 0
-        self._stats.add_hook_times(calls, wall_ns * self._every, cpu_ns * self._every)
+        self._stats.add_hook_time(wall_ns * self._every, cpu_ns * self._every, calls)

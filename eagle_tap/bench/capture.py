@@ -256,7 +256,8 @@ def run(config: Config) -> dict[str, Any]:
         f"median ratio capturing / not loaded: **{ratio:.3f}** served (goal >= {RATIO_GOAL:.2f}), "
         f"**{stored_ratio:.3f}** stored; the plugin's sender and the collector share the server's cores here",
         f"capture CPU per captured token: scheduler thread in the hook {hook_cpu_us:.2f} us CPU "
-        f"({hook_us:.2f} us wall), sender thread {sender_us:.2f} us, copy thread {copy_us:.2f} us, collector {collector_cpu_us:.2f} us (less "
+        f"({hook_us:.2f} us wall), sender thread {sender_us:.2f} us, copy thread {copy_us:.2f} us, "
+        f"collector {collector_cpu_us:.2f} us (less "
         f"this benchmark's asking: {asking_s * 1e3:.2f} ms of its CPU a GET of /v1/stats, "
         f"{statistics.median(row['asked'] for row in rows):.0f} a round): "
         f"**{capture_cpu_us:.2f} us** in all, against {plain_cpu_us:.1f} us of the plain server (median; it "
