@@ -53,7 +53,8 @@ What must hold:
   generate mode, the one before: the overlap scheduler may run a step past the last token);
 - the only work done here is queueing the copy of the captured rows off the device, once per forward for
   all captured requests (`device_copy.py`: never waits for the device on CUDA, copies nothing on this thread
-  on CPU unless a CPU graph runner replays the forward; a verify step costs a few Python operations per
+  on CPU unless a CPU graph runner replays the forward, and for a small extend forward only notes each
+  capture's rows as a piece of its outputs, `ForwardRows`, joined later as a step's are; a verify step costs a few Python operations per
   captured request and no tensor op on CPU; an image request's embedding rows are the exception: a plain
   copy, which waits on CUDA, once per extend that holds image positions, not yet through the row copier);
   compression and I/O happen in the sender thread;
@@ -176,6 +177,7 @@ class CapturedSequence:
     verify step accepted, the tokens generated), made into the record's `served_draft` metadata off the
     scheduler's thread (`record_metadata`)."""
     _raw_nbytes: int | None = dataclasses.field(default=None, init=False, repr=False)
+    _inflight_nbytes: int | None = dataclasses.field(default=None, init=False, repr=False)
 
     def record_metadata(self) -> dict:
         """The record's metadata: `metadata`, with `served_draft` made from `served` (the sender's thread)."""
@@ -201,6 +203,16 @@ class CapturedSequence:
             run = sum(end - start for _, start, end in self.run) * self.run[0][0].row_nbytes if self.run else 0
             self._raw_nbytes = sum(chunk.nbytes for chunk in self.chunks) + run + 4 * len(self.token_ids) + embeds
         return self._raw_nbytes
+
+    @property
+    def inflight_nbytes(self) -> int:
+        """What the sender counts in flight for it (`inflight_max_bytes`), computed once: `raw_nbytes`, plus, for
+        each piece of `run` that is a reference to a forward's outputs (`VerifyRows`, `ForwardRows`), its share of
+        what that forward keeps alive (the outputs divided among the captures holding a piece of them). A
+        finishing capture's last steps, or a small prefill's rows, may keep many times their own bytes alive."""
+        if self._inflight_nbytes is None:
+            self._inflight_nbytes = self.raw_nbytes + sum(getattr(rows, "share_nbytes", 0) for rows, _, _ in self.run)
+        return self._inflight_nbytes
 
     def states(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux (S, K*H), final (S, H)) on CPU, once every chunk's copy has landed, S = num_states - first_row.
@@ -601,9 +613,9 @@ class CaptureAssembler:
         spare = 1 + (partial.tag.mode == "generate")
         if partial.images is not None:  # sent whole (see the module docstring)
             return True
+        if not partial.num_rows or partial.num_rows < self._part_rows(partial) + spare:
+            return True  # nothing to hand over yet: the rows noted stay unjoined
         self._flush_run(partial)
-        if not partial.chunks or partial.num_rows < self._part_rows(partial) + spare:
-            return True
         plan = partial.prefix
         if plan is not None and not partial.plan_sent:
             # The plan's blocks first (other records may refer to them), each as soon as its rows are held.
@@ -662,17 +674,26 @@ class CaptureAssembler:
 
     def _copy(self, taken: list[tuple[object, _Partial]], ranges: list[tuple[int, int]],
               aux: torch.Tensor, final: torch.Tensor, now: float, *, prefill: bool) -> None:
-        # The only forward-path work: one copy of every captured request's rows off the device.
-        copied = self._copier.copy(aux, final, ranges)
-        if copied is None:  # no host buffer free: drop these captures rather than wait
+        # The only forward-path work: one copy of every captured request's rows off the device, or on CPU, for a
+        # small forward, a reference to its outputs, each capture noting its rows as a piece of them (`run`).
+        block = self._copier.keep_rows(aux, final, len(ranges))
+        copied = None if block is not None else self._copier.copy(aux, final, ranges)
+        if block is None and copied is None:  # no host buffer free: drop these captures rather than wait
             for req, _ in taken:
                 self._abandon(req.rid, "host_buffers_full", now)
             return
-        for (req, partial), rows in zip(taken, copied):
-            if partial.run:  # a retracted request's new prefill: its rows follow those its steps kept
-                self._flush_run(partial)
-            partial.chunks.append(rows)
-            partial.num_rows += rows.aux.shape[0]
+        for index, (req, partial) in enumerate(taken):
+            if block is not None:  # after the rows it holds, a retracted request's steps' included
+                start, end = ranges[index]
+                partial.run.append((block, start, end))
+                partial.run_held_nbytes += block.held_nbytes
+                partial.num_rows += end - start
+            else:
+                if partial.run:  # a retracted request's new prefill: its rows follow those its steps kept
+                    self._flush_run(partial)
+                rows = copied[index]
+                partial.chunks.append(rows)
+                partial.num_rows += rows.aux.shape[0]
             partial.updated_at = now
             if not self._cut_parts(req, partial, now):
                 continue

@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 __all__ = [
-    "CopyFailed", "CopyJobs", "CudaRowCopier", "DeferredHostCopier", "HostBufferPool", "HostCopier", "HostRows",
+    "CopyFailed", "CopyJobs", "CudaRowCopier", "DeferredHostCopier", "ForwardRows", "HostBufferPool", "HostCopier", "HostRows",
     "PooledRowCopier", "RowCopier", "RowPiece", "SlabLease", "VerifyRows", "cut_slab", "host_cat", "release_pieces",
 ]
 
@@ -205,6 +205,11 @@ class VerifyRows:
     def row_nbytes(self) -> int:
         return self.aux.shape[1] * self.aux.element_size() + self.final.shape[1] * self.final.element_size()
 
+    @property
+    def share_nbytes(self) -> int:
+        """One capture's share of the bytes the block keeps alive (`CapturedSequence.inflight_nbytes`)."""
+        return self.held_nbytes // max(len(self.positions), 1)
+
     def wait(self) -> None:
         pass  # nothing is being copied into them
 
@@ -227,7 +232,44 @@ class VerifyRows:
         return aux[block + first : block + last], final[path]
 
 
-RowPiece = tuple["HostRows | VerifyRows", int, int]
+class ForwardRows:
+    """An extend forward's outputs kept by reference (on CPU: `DeferredHostCopier.keep_rows`): each captured
+    request's rows are a piece of it, [start, end) of the forward's rows, read off the scheduler's thread only
+    (`arrays`: by `RowCopier.join` on the copy thread, `join_pieces` on the sender's)."""
+
+    __slots__ = ("aux", "final", "held_nbytes", "num_sharing", "_arrays")
+    lease = None
+
+    def __init__(self, aux: torch.Tensor, final: torch.Tensor, held_nbytes: int, num_sharing: int) -> None:
+        self.aux = aux  # (rows, K*H), the forward's own
+        self.final = final  # (rows, H)
+        self.held_nbytes = held_nbytes
+        """Bytes these references keep alive: the whole of the forward's output tensors."""
+        self.num_sharing = num_sharing
+        """Captures that hold a piece of it (each counts a share in flight: `share_nbytes`)."""
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def row_nbytes(self) -> int:
+        return self.aux.shape[1] * self.aux.element_size() + self.final.shape[1] * self.final.element_size()
+
+    @property
+    def share_nbytes(self) -> int:
+        """One capture's share of the bytes the outputs keep alive (`CapturedSequence.inflight_nbytes`)."""
+        return self.held_nbytes // max(self.num_sharing, 1)
+
+    def wait(self) -> None:
+        pass  # nothing is being copied into them
+
+    def arrays(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows [start, end) of the forward's outputs (numpy views of their bytes)."""
+        if self._arrays is None:  # made once: the captures of a forward share it (a race makes them twice)
+            self._arrays = (_ints(self.aux), _ints(self.final))
+        aux, final = self._arrays
+        return aux[start:end], final[start:end]
+
+
+RowPiece = tuple["HostRows | VerifyRows | ForwardRows", int, int]
 """Rows [start, end) of a block that others share (a verify step's): one holder of its lease, if it has one."""
 
 
@@ -346,6 +388,12 @@ class RowCopier:
 
     def copy(self, aux: torch.Tensor, final: torch.Tensor, ranges: RowRanges) -> list[HostRows] | None:
         raise NotImplementedError
+
+    def keep_rows(self, aux: torch.Tensor, final: torch.Tensor, num_ranges: int) -> ForwardRows | None:
+        """An extend forward's outputs kept by reference, its captured rows to be read later as pieces of it
+        (`ForwardRows`), or None: copy them (`copy`). Only where the outputs stay valid after the hook returns
+        and holding them costs less than copying (`DeferredHostCopier`)."""
+        return None
 
     def gather_decode(self, aux: torch.Tensor, final: torch.Tensor,
                       positions: list[int]) -> HostRows | VerifyRows | None:
@@ -472,10 +520,25 @@ class DeferredHostCopier(RowCopier):
     runner the outputs come from a compiled graph whose buffers we have not proven fresh per replay: the
     hook then copies on its own thread (`HostCopier`), as before.
 
-    A decode or verify forward's rows are not copied at all until a capture's kept rows are joined
+    An extend forward's outputs up to `keep_max_bytes` are kept by reference too (`keep_rows`), its captured rows
+    pieces of them joined as a step's are. A decode or verify forward's rows are not copied at all until a
+    capture's kept rows are joined
     (`gather_decode` and `gather_verify` return references, `VerifyRows`): the scheduler's thread runs no tensor
     operation for a decode or verify step. A capture joins its rows at least every 64 steps and 16 MiB of outputs
     kept alive (`capture._RUN_MAX_STEPS`, `_RUN_MAX_BYTES`)."""
+
+    keep_max_bytes = 4 << 20
+    """An extend forward's outputs up to this size are kept by reference (`keep_rows`) rather than their
+    captured rows copied: on the scheduler's thread, cold after the forward, the copy's two allocations, its
+    hand-over to the copy thread and the HostRows cut from it cost ~100 us whatever the bytes; a reference costs
+    a few. Bounded so that a few captured rows never keep a large forward alive (a capture joins its pieces once
+    they keep `capture._RUN_MAX_BYTES` alive; the sender counts its share in flight)."""
+
+    def keep_rows(self, aux: torch.Tensor, final: torch.Tensor, num_ranges: int) -> ForwardRows | None:
+        held = aux.untyped_storage().nbytes() + final.untyped_storage().nbytes()
+        if held > self.keep_max_bytes:
+            return None
+        return ForwardRows(aux, final, held, num_ranges)
 
     def copy(self, aux: torch.Tensor, final: torch.Tensor, ranges: RowRanges) -> list[HostRows]:
         num_rows = sum(end - start for start, end in ranges)

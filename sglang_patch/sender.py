@@ -225,7 +225,7 @@ class Sender:
 
     def submit(self, captured: CapturedSequence) -> bool:
         """Queues a capture (or a part of one); False when it was dropped (counted) for want of room."""
-        size = captured.raw_nbytes
+        size = captured.inflight_nbytes
         with self._condition:
             if self._inflight_bytes + size > self._settings.inflight_max_bytes:
                 captured.release()
@@ -355,7 +355,7 @@ class Sender:
     def _release(self, captured: CapturedSequence) -> None:
         captured.release()
         with self._condition:
-            self._inflight_bytes -= captured.raw_nbytes
+            self._inflight_bytes -= captured.inflight_nbytes
 
     def _collect(self, captured: CapturedSequence, job: "Future[list[bytes] | str] | None") -> list[bytes]:
         """The frames of a capture, in queue order (sender thread): parts enter their capture's digest here."""

@@ -17,6 +17,7 @@ from sglang_patch.device_copy import (
     CopyFailed,
     CopyJobs,
     DeferredHostCopier,
+    ForwardRows,
     HostBufferPool,
     HostCopier,
     PooledRowCopier,
@@ -176,8 +177,9 @@ def test_a_long_generation_reaches_the_sender_in_a_few_blocks(tree) -> None:
         verify(asm, [a, b], [step % 4, (step + 1) % 4], tree=tree, finish={"rid-1", "rid-2"} if step == 149 else set())
     assert sorted(captured.tag.record_id for captured in emitted) == ["rec-1", "rec-2"]
     for captured in emitted:
-        # the prompt's, one per 64 verify steps, and the last 22 steps' rows, which the sender joins
-        assert len(captured.chunks) == 1 + 2 and len(captured.run) == 150 - 128
+        # the prompt's rows (kept by reference: a small forward) joined with the first 63 verify steps', the next
+        # 64 steps', and the last 23 steps' rows, which the sender joins
+        assert len(captured.chunks) == 2 and len(captured.run) == 150 - 127
         check_rows(captured, int(captured.tag.record_id[-1]))
         assert captured.record_metadata()["served_draft"]["verify_steps"] == 150
 
@@ -198,7 +200,36 @@ def test_a_verify_step_runs_no_tensor_op_on_the_schedulers_thread() -> None:
     with AtenOps() as processed_ops:
         asm.on_verify_processed(reqs, [1, 0, 3])
     assert verify_ops.ops == [] and processed_ops.ops == []  # references and counts only
-    assert asm.num_partials == 3 and all(len(partial.run) == 1 for partial in asm._partials.values())
+    # the prompt's rows and the step's, both pieces of their forward's outputs
+    assert asm.num_partials == 3 and all(len(partial.run) == 2 for partial in asm._partials.values())
+
+
+@pytest.mark.parametrize("keep_max_bytes", [DeferredHostCopier.keep_max_bytes, 1000], ids=["small", "large"])
+def test_a_small_prefill_forwards_rows_are_kept_by_reference_and_a_large_ones_copied(keep_max_bytes) -> None:
+    """Two of three requests captured. A prefill forward whose outputs are at most `keep_max_bytes` runs no tensor op
+    on the scheduler's thread: each capture notes its rows as a piece of the forward's outputs (`ForwardRows`); a
+    larger one has the captured rows copied on the copy thread (`HostRows`). The records are the same."""
+    emitted: list = []
+    asm = deferred_assembler(emitted)
+    asm._copier.keep_max_bytes = keep_max_bytes
+    reqs = [SpecReq(1, 5), SpecReq(4, 2), SpecReq(2, 3)]  # rid-4 is not captured; 10 rows of 64 bytes each
+    with AtenOps() as prefill_ops:
+        prefill(asm, reqs)
+    small = keep_max_bytes >= 10 * 64
+    for partial in asm._partials.values():
+        if small:
+            assert partial.chunks == [] and len(partial.run) == 1 and isinstance(partial.run[0][0], ForwardRows)
+            assert partial.run_held_nbytes == 10 * 64
+        else:
+            assert len(partial.chunks) == 1 and partial.run == []
+    # the prefill's only tensor ops are the test's own (the prompt rows it makes: `positions_rows`, `torch.cat`),
+    # and in the large case the copy's two allocations
+    assert ("empty" in prefill_ops.ops) == (not small)
+    verify(asm, reqs, [2, 0, 1])
+    verify(asm, reqs, [1, 0, 3], finish={"rid-1", "rid-2", "rid-4"})
+    assert sorted(captured.tag.record_id for captured in emitted) == ["rec-1", "rec-2"]
+    for captured in emitted:
+        check_rows(captured, int(captured.tag.record_id[-1]))
 
 
 def test_a_finishing_capture_runs_no_tensor_op_on_the_schedulers_thread() -> None:
@@ -219,9 +250,9 @@ def test_a_finishing_capture_runs_no_tensor_op_on_the_schedulers_thread() -> Non
     verify(asm, reqs, [0, 3], finish={"rid-1", "rid-2"})
     assert hook_ops == [] and sorted(captured.tag.record_id for captured in emitted) == ["rec-1", "rec-2"]
     for captured in emitted:
-        assert len(captured.chunks) == 1 and len(captured.run) == 2  # the prompt's rows, then two steps' pieces
+        assert captured.chunks == [] and len(captured.run) == 3  # the prompt's rows, then two steps', as pieces
         check_rows(captured, int(captured.tag.record_id[-1]))  # joined here, as on the sender's thread
-        assert captured.run == [] and len(captured.chunks) == 2
+        assert captured.run == [] and len(captured.chunks) == 1
         accepted = "20" if captured.tag.record_id == "rec-1" else "13"
         assert captured.record_metadata()["served_draft"]["accepted_per_step"] == accepted
 
@@ -252,13 +283,14 @@ def test_a_draftless_decode_step_runs_no_tensor_op_and_its_rows_reach_the_sender
     decode_ops: list[str] = []
     decode(asm, reqs, ops=decode_ops)
     assert decode_ops == []
-    assert asm.num_partials == 2 and all(len(partial.run) == 1 for partial in asm._partials.values())
+    assert asm.num_partials == 2 and all(len(partial.run) == 2 for partial in asm._partials.values())
     for step in range(1, 150):
         decode(asm, reqs, finish=step == 149)
     assert sorted(captured.tag.record_id for captured in emitted) == ["rec-1", "rec-2"]
     for captured in emitted:
-        # the prompt's, one per 64 decode steps, and the last 22 steps' rows, which the sender joins
-        assert len(captured.chunks) == 1 + 2 and len(captured.run) == 150 - 128
+        # the prompt's rows joined with the first 63 steps', the next 64 steps', and the last 23 steps' rows,
+        # which the sender joins
+        assert len(captured.chunks) == 2 and len(captured.run) == 150 - 127
         assert captured.num_states == len(captured.token_ids) - 1
         check_rows(captured, int(captured.tag.record_id[-1]))
 
@@ -276,3 +308,35 @@ def test_the_copy_threads_cpu_is_counted_per_job() -> None:
     for wait in [jobs.submit(busy) for _ in range(3)]:
         wait()  # counted before the waiter is told
     assert len(counted) == 3 and all(2_000_000 <= cpu_ns < 200_000_000 for cpu_ns in counted)
+
+
+def test_the_sender_counts_a_records_share_of_the_forwards_its_unjoined_rows_keep_alive(tmp_path) -> None:
+    """A finished capture's unjoined pieces keep their forwards' outputs alive: the sender's in-flight bound counts
+    its share of each (`CapturedSequence.inflight_nbytes`), so a record that fits by its own bytes alone can still
+    be dropped for the memory it holds."""
+    from sglang_patch.sender import ModelIdentity, Sender
+    from sglang_patch.settings import CaptureSettings
+    from sglang_patch.spool import Spool
+
+    emitted: list = []
+    asm = deferred_assembler(emitted)
+    reqs = [SpecReq(1, 5), SpecReq(4, 2), SpecReq(2, 3)]  # rid-4 is not captured; 64 bytes a row
+    prefill(asm, reqs)  # one forward of 10 rows, pieces of it held by 2 captures
+    verify(asm, reqs, [2, 0, 1], finish={"rid-1", "rid-2", "rid-4"})  # 12 candidate rows, 2 captured requests'
+    record = next(captured for captured in emitted if captured.tag.record_id == "rec-1")
+    assert record.chunks == [] and len(record.run) == 2
+    assert record.raw_nbytes == 4 * len(record.token_ids) + (5 + 3) * 64
+    assert record.inflight_nbytes == record.raw_nbytes + 10 * 64 // 2 + 12 * 64 // 2
+
+    config = CaptureSettings(collector_url="http://127.0.0.1:9", spool_dir=tmp_path / "spool",
+                             inflight_max_bytes=record.inflight_nbytes - 1)
+    stats = CaptureStats()
+    model = ModelIdentity(capture_layers=(1, 2), hidden_size=4, model_fingerprint="test", state_dtype="float32",
+                          codec="bf16-split")
+    sender = Sender(settings=config, model=model, stats=stats, spool=Spool(tmp_path / "spool" / "dp0", 1 << 20),
+                    stats_path=tmp_path / "stats.json")
+    try:
+        assert sender.submit(record) is False
+    finally:
+        sender.close(timeout_s=1.0)
+    assert stats.snapshot()["dropped"] == {"inflight_budget": 1} and record.run == []  # its holds given up
