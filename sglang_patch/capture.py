@@ -688,6 +688,8 @@ class CaptureAssembler:
                 partial.run.append((block, start, end))
                 partial.run_held_nbytes += block.held_nbytes
                 partial.num_rows += end - start
+                if len(partial.run) >= _RUN_MAX_STEPS or partial.run_held_nbytes >= _RUN_MAX_BYTES:
+                    self._flush_run(partial)  # a prompt in many small chunks keeps no more alive than steps do
             else:
                 if partial.run:  # a retracted request's new prefill: its rows follow those its steps kept
                     self._flush_run(partial)

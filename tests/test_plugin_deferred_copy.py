@@ -24,7 +24,7 @@ from sglang_patch.device_copy import (
     VerifyRows,
 )
 from sglang_patch.stats import CaptureStats
-from test_spec_capture_units import CHAIN, SpecReq, check_rows, positions_rows, prefill, verify
+from test_spec_capture_units import CHAIN, HIDDEN, NUM_LAYERS, SpecReq, check_rows, positions_rows, prefill, verify
 
 
 def states(num_rows: int, width: int, dtype=torch.bfloat16) -> torch.Tensor:
@@ -340,3 +340,35 @@ def test_the_sender_counts_a_records_share_of_the_forwards_its_unjoined_rows_kee
     finally:
         sender.close(timeout_s=1.0)
     assert stats.snapshot()["dropped"] == {"inflight_budget": 1} and record.run == []  # its holds given up
+
+
+def test_a_prompt_prefilled_in_many_small_forwards_keeps_no_more_of_them_alive_than_the_bound(monkeypatch) -> None:
+    """Each chunk of a long prompt is a small forward kept by reference; the captured rows are joined once the
+    forwards they keep alive reach `_RUN_MAX_BYTES` (as a generation's steps are), not only when a part is due."""
+    import sglang_patch.capture as capture_module
+
+    forward_rows, chunk, length = 100, 5, 40  # the other 95 rows of each forward are another request's
+    row_nbytes = (NUM_LAYERS * HIDDEN + HIDDEN) * 4
+    monkeypatch.setattr(capture_module, "_RUN_MAX_BYTES", 3 * forward_rows * row_nbytes)
+    emitted: list = []
+    asm = CaptureAssembler(stats=CaptureStats(), emit=emitted.append, copier=DeferredHostCopier())
+    tag = CaptureTag(record_id="rec-1", sample_id="s-1", loss_spans=(), mode="prefill")
+    ids = list(range(length))
+    req = SimpleNamespace(rid="rid-1", origin_input_ids=ids, output_ids=[], full_untruncated_fill_ids=ids,
+                          sampling_params=SimpleNamespace(custom_params=tag.to_custom_params()), cache_salt=None,
+                          input_embeds=None, mm_inputs=None)
+    other = SimpleNamespace(rid="rid-other")
+    asm.selector.on_request(req)
+    held = []
+    for start in range(0, length, chunk):
+        aux = torch.full((forward_rows, NUM_LAYERS * HIDDEN), -1.0)  # (100, K*H): the captured rows first
+        final = torch.full((forward_rows, HIDDEN), -1.0)  # (100, H)
+        aux[:chunk], final[:chunk] = positions_rows(1, list(range(start, start + chunk)))
+        asm.on_extend([req, other], [start, 0], [chunk, forward_rows - chunk], aux, final)
+        partial = asm._partials.get("rid-1")
+        if partial is not None:
+            held.append((len(partial.chunks), partial.run_held_nbytes // (forward_rows * row_nbytes)))
+    # forwards kept alive after each chunk: 1, 2, then joined at 3 (one chunk more), ...
+    assert held == [(0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)]
+    assert len(emitted) == 1 and len(emitted[0].chunks) == 2 and len(emitted[0].run) == 2
+    check_rows(emitted[0], 1)
