@@ -176,8 +176,11 @@ class CapturedSequence:
     """A generate capture on a replica that serves a draft: (draft identity, how it drafts, the drafts each
     verify step accepted, the tokens generated), made into the record's `served_draft` metadata off the
     scheduler's thread (`record_metadata`)."""
+    run_held_nbytes: int = 0
+    """Bytes the pieces of `run` keep alive by reference (on CPU: the forward outputs they are pieces of, each
+    counted whole, as `_Partial.run_held_nbytes` counts them); 0 where they are copies (CUDA's pinned slabs,
+    which their pool bounds)."""
     _raw_nbytes: int | None = dataclasses.field(default=None, init=False, repr=False)
-    _inflight_nbytes: int | None = dataclasses.field(default=None, init=False, repr=False)
 
     def record_metadata(self) -> dict:
         """The record's metadata: `metadata`, with `served_draft` made from `served` (the sender's thread)."""
@@ -206,13 +209,10 @@ class CapturedSequence:
 
     @property
     def inflight_nbytes(self) -> int:
-        """What the sender counts in flight for it (`inflight_max_bytes`), computed once: `raw_nbytes`, plus, for
-        each piece of `run` that is a reference to a forward's outputs (`VerifyRows`, `ForwardRows`), its share of
-        what that forward keeps alive (the outputs divided among the captures holding a piece of them). A
-        finishing capture's last steps, or a small prefill's rows, may keep many times their own bytes alive."""
-        if self._inflight_nbytes is None:
-            self._inflight_nbytes = self.raw_nbytes + sum(getattr(rows, "share_nbytes", 0) for rows, _, _ in self.run)
-        return self._inflight_nbytes
+        """What the sender counts in flight for it (`inflight_max_bytes`): `raw_nbytes` and `run_held_nbytes`. A
+        finishing capture's last steps, or a small prefill's rows, may keep many times their own bytes alive; a
+        forward shared by several captures is counted by each (at most `_RUN_MAX_BYTES` a capture)."""
+        return self.raw_nbytes + self.run_held_nbytes
 
     def states(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux (S, K*H), final (S, H)) on CPU, once every chunk's copy has landed, S = num_states - first_row.
@@ -676,7 +676,7 @@ class CaptureAssembler:
               aux: torch.Tensor, final: torch.Tensor, now: float, *, prefill: bool) -> None:
         # The only forward-path work: one copy of every captured request's rows off the device, or on CPU, for a
         # small forward, a reference to its outputs, each capture noting its rows as a piece of them (`run`).
-        block = self._copier.keep_rows(aux, final, len(ranges))
+        block = self._copier.keep_rows(aux, final)
         copied = None if block is not None else self._copier.copy(aux, final, ranges)
         if block is None and copied is None:  # no host buffer free: drop these captures rather than wait
             for req, _ in taken:
@@ -777,11 +777,17 @@ class CaptureAssembler:
                     return
             self._emit(CapturedSequence(tag=partial.tag, token_ids=token_ids, chunks=partial.chunks, loss_spans=spans,
                                         num_states=num_states, metadata=metadata, parts_before=partial.num_parts,
-                                        rows_start=partial.chunks_start, run=partial.run, served=served))
+                                        rows_start=partial.chunks_start, run=partial.run, served=served,
+                                        run_held_nbytes=self._run_held_nbytes(partial)))
             return
         self._emit(CapturedSequence(tag=partial.tag, token_ids=token_ids, chunks=partial.chunks, loss_spans=spans,
                                     num_states=num_states, metadata=metadata, prefix=partial.prefix, run=partial.run,
-                                    served=served))
+                                    served=served, run_held_nbytes=self._run_held_nbytes(partial)))
+
+    def _run_held_nbytes(self, partial: _Partial) -> int:
+        """What a capture's unjoined rows keep alive beyond their own bytes' count: their forwards' outputs, where
+        the copier keeps references (`CapturedSequence.run_held_nbytes`)."""
+        return partial.run_held_nbytes if self._copier.keeps_references else 0
 
     def _send_with_images(self, partial: _Partial, token_ids: list[int], spans: tuple[tuple[int, int], ...],
                           num_states: int, metadata: dict, served: tuple | None) -> None:

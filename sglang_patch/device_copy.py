@@ -205,11 +205,6 @@ class VerifyRows:
     def row_nbytes(self) -> int:
         return self.aux.shape[1] * self.aux.element_size() + self.final.shape[1] * self.final.element_size()
 
-    @property
-    def share_nbytes(self) -> int:
-        """One capture's share of the bytes the block keeps alive (`CapturedSequence.inflight_nbytes`)."""
-        return self.held_nbytes // max(len(self.positions), 1)
-
     def wait(self) -> None:
         pass  # nothing is being copied into them
 
@@ -237,26 +232,19 @@ class ForwardRows:
     request's rows are a piece of it, [start, end) of the forward's rows, read off the scheduler's thread only
     (`arrays`: by `RowCopier.join` on the copy thread, `join_pieces` on the sender's)."""
 
-    __slots__ = ("aux", "final", "held_nbytes", "num_sharing", "_arrays")
+    __slots__ = ("aux", "final", "held_nbytes", "_arrays")
     lease = None
 
-    def __init__(self, aux: torch.Tensor, final: torch.Tensor, held_nbytes: int, num_sharing: int) -> None:
+    def __init__(self, aux: torch.Tensor, final: torch.Tensor, held_nbytes: int) -> None:
         self.aux = aux  # (rows, K*H), the forward's own
         self.final = final  # (rows, H)
         self.held_nbytes = held_nbytes
         """Bytes these references keep alive: the whole of the forward's output tensors."""
-        self.num_sharing = num_sharing
-        """Captures that hold a piece of it (each counts a share in flight: `share_nbytes`)."""
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def row_nbytes(self) -> int:
         return self.aux.shape[1] * self.aux.element_size() + self.final.shape[1] * self.final.element_size()
-
-    @property
-    def share_nbytes(self) -> int:
-        """One capture's share of the bytes the outputs keep alive (`CapturedSequence.inflight_nbytes`)."""
-        return self.held_nbytes // max(self.num_sharing, 1)
 
     def wait(self) -> None:
         pass  # nothing is being copied into them
@@ -389,7 +377,11 @@ class RowCopier:
     def copy(self, aux: torch.Tensor, final: torch.Tensor, ranges: RowRanges) -> list[HostRows] | None:
         raise NotImplementedError
 
-    def keep_rows(self, aux: torch.Tensor, final: torch.Tensor, num_ranges: int) -> ForwardRows | None:
+    keeps_references = False
+    """Whether the blocks of `gather_verify`, `gather_decode` and `keep_rows` are references to a forward's outputs
+    (kept alive whole by any piece of them) rather than copies."""
+
+    def keep_rows(self, aux: torch.Tensor, final: torch.Tensor) -> ForwardRows | None:
         """An extend forward's outputs kept by reference, its captured rows to be read later as pieces of it
         (`ForwardRows`), or None: copy them (`copy`). Only where the outputs stay valid after the hook returns
         and holding them costs less than copying (`DeferredHostCopier`)."""
@@ -532,13 +524,15 @@ class DeferredHostCopier(RowCopier):
     captured rows copied: on the scheduler's thread, cold after the forward, the copy's two allocations, its
     hand-over to the copy thread and the HostRows cut from it cost ~100 us whatever the bytes; a reference costs
     a few. Bounded so that a few captured rows never keep a large forward alive (a capture joins its pieces once
-    they keep `capture._RUN_MAX_BYTES` alive; the sender counts its share in flight)."""
+    they keep `capture._RUN_MAX_BYTES` alive; the sender counts what they keep alive in flight)."""
 
-    def keep_rows(self, aux: torch.Tensor, final: torch.Tensor, num_ranges: int) -> ForwardRows | None:
+    keeps_references = True
+
+    def keep_rows(self, aux: torch.Tensor, final: torch.Tensor) -> ForwardRows | None:
         held = aux.untyped_storage().nbytes() + final.untyped_storage().nbytes()
         if held > self.keep_max_bytes:
             return None
-        return ForwardRows(aux, final, held, num_ranges)
+        return ForwardRows(aux, final, held)
 
     def copy(self, aux: torch.Tensor, final: torch.Tensor, ranges: RowRanges) -> list[HostRows]:
         num_rows = sum(end - start for start, end in ranges)

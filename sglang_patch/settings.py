@@ -45,9 +45,9 @@ class CaptureSettings(BaseSettings):
     spool_max_bytes: int = Field(default=8 << 30, ge=0)
     """Bound of the spool; frames that would exceed it are dropped and counted."""
     inflight_max_bytes: int = Field(default=512 << 20, ge=1)
-    """Bound of copied-but-not-yet-sent raw bytes held in memory (with each record's share of the forward outputs
-    its unjoined rows keep alive by reference: `CapturedSequence.inflight_nbytes`); past it records are dropped
-    and counted.
+    """Bound of copied-but-not-yet-sent raw bytes held in memory (on CPU with the forward outputs a record's
+    unjoined rows keep alive by reference: `CapturedSequence.inflight_nbytes`); past it records are dropped and
+    counted.
     A capture larger than a part is sent in parts as it is computed, so no record is too large for it."""
     part_max_tokens: int = Field(default=8192, ge=1)
     """A capture holding more rows than a part is sent in parts of at most this many tokens' states as they

@@ -312,8 +312,8 @@ def test_the_copy_threads_cpu_is_counted_per_job() -> None:
 
 def test_the_sender_counts_a_records_share_of_the_forwards_its_unjoined_rows_keep_alive(tmp_path) -> None:
     """A finished capture's unjoined pieces keep their forwards' outputs alive: the sender's in-flight bound counts
-    its share of each (`CapturedSequence.inflight_nbytes`), so a record that fits by its own bytes alone can still
-    be dropped for the memory it holds."""
+    them (`CapturedSequence.inflight_nbytes`), so a record that fits by its own bytes alone can still be dropped
+    for the memory it holds."""
     from sglang_patch.sender import ModelIdentity, Sender
     from sglang_patch.settings import CaptureSettings
     from sglang_patch.spool import Spool
@@ -326,7 +326,7 @@ def test_the_sender_counts_a_records_share_of_the_forwards_its_unjoined_rows_kee
     record = next(captured for captured in emitted if captured.tag.record_id == "rec-1")
     assert record.chunks == [] and len(record.run) == 2
     assert record.raw_nbytes == 4 * len(record.token_ids) + (5 + 3) * 64
-    assert record.inflight_nbytes == record.raw_nbytes + 10 * 64 // 2 + 12 * 64 // 2
+    assert record.inflight_nbytes == record.raw_nbytes + 10 * 64 + 12 * 64  # each forward whole
 
     config = CaptureSettings(collector_url="http://127.0.0.1:9", spool_dir=tmp_path / "spool",
                              inflight_max_bytes=record.inflight_nbytes - 1)
