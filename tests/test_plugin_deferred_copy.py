@@ -372,3 +372,30 @@ def test_a_prompt_prefilled_in_many_small_forwards_keeps_no_more_of_them_alive_t
     assert held == [(0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)]
     assert len(emitted) == 1 and len(emitted[0].chunks) == 2 and len(emitted[0].run) == 2
     check_rows(emitted[0], 1)
+
+
+def test_a_prefill_captures_one_piece_reaches_the_sender_as_a_view_of_the_forward() -> None:
+    """A record whose rows are one piece of one small extend forward is not copied to be sent: its states are views
+    of the forward's outputs (`join_pieces`); a record of several pieces is joined into new memory."""
+    emitted: list = []
+    asm = CaptureAssembler(stats=CaptureStats(), emit=emitted.append, copier=DeferredHostCopier())
+    reqs = []
+    for number, length in ((1, 5), (2, 4)):
+        tag = CaptureTag(record_id=f"rec-{number}", sample_id=f"s-{number}", loss_spans=(), mode="prefill")
+        ids = list(range(1000 * number, 1000 * number + length))
+        reqs.append(SimpleNamespace(rid=f"rid-{number}", origin_input_ids=ids, output_ids=[], full_untruncated_fill_ids=ids,
+                                    sampling_params=SimpleNamespace(custom_params=tag.to_custom_params()),
+                                    cache_salt=None, input_embeds=None, mm_inputs=None))
+        asm.selector.on_request(reqs[-1])
+    rows = [positions_rows(1, list(range(5))), positions_rows(2, list(range(4)))]
+    aux, final = torch.cat([aux for aux, _ in rows]), torch.cat([final for _, final in rows])  # (9, K*H), (9, H)
+    asm.on_extend(reqs[:1], [0], [3], aux[:3], final[:3])  # rec-1's first chunk alone
+    asm.on_extend(reqs, [3, 0], [2, 4], aux[3:], final[3:])  # its last 2 rows and rec-2's 4
+    emitted_by = {captured.tag.record_id: captured for captured in emitted}
+    one_piece, two_pieces = emitted_by["rec-2"], emitted_by["rec-1"]
+    assert len(one_piece.run) == 1 and len(two_pieces.run) == 2
+    for captured, number, length, view in ((one_piece, 2, 4, True), (two_pieces, 1, 5, False)):
+        got_aux, got_final = captured.states()
+        assert (got_aux.untyped_storage().data_ptr() == aux.untyped_storage().data_ptr()) == view
+        want_aux, want_final = positions_rows(number, list(range(length)))
+        assert torch.equal(got_aux, want_aux) and torch.equal(got_final, want_final)
