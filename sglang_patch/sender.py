@@ -209,6 +209,9 @@ class Sender:
         """Captures sent in parts whose closing record has not come: the digest of their parts so far, and
         when the last one was collected (sender thread only)."""
         self._inflight_bytes = 0
+        """What the captures not yet released keep in memory (`CapturedSequence.inflight_nbytes`): the bound."""
+        self._inflight_raw_bytes = 0
+        """Their raw bytes alone: what a batch is full of (`batch_max_bytes`)."""
         self._condition = threading.Condition()
         self._stopping = False
         self._retry_at = 0.0
@@ -225,18 +228,19 @@ class Sender:
 
     def submit(self, captured: CapturedSequence) -> bool:
         """Queues a capture (or a part of one); False when it was dropped (counted) for want of room."""
-        size = captured.inflight_nbytes
+        size, raw = captured.inflight_nbytes, captured.raw_nbytes
         with self._condition:
             if self._inflight_bytes + size > self._settings.inflight_max_bytes:
                 captured.release()
                 self._stats.drop("inflight_budget")
                 return False
             self._inflight_bytes += size
+            self._inflight_raw_bytes += raw
             self._queue.append((time.monotonic(), captured))
             # Wake the sender thread only when it has something to start: a first capture (it starts the batch's
             # age), or a full batch. Behind a first one it waits for the age anyway, and waking it for each
             # capture cost it a thread wake-up (tens of microseconds of CPU on the serving cores) a record.
-            if len(self._queue) == 1 or self._inflight_bytes >= self._settings.batch_max_bytes:
+            if len(self._queue) == 1 or self._inflight_raw_bytes >= self._settings.batch_max_bytes:
                 self._condition.notify()
             return True
 
@@ -309,7 +313,7 @@ class Sender:
         with self._condition:
             if wait and not self._queue and not self._stopping:
                 self._condition.wait(timeout=self._idle_wait_s())
-            while wait and self._queue and not self._stopping and self._inflight_bytes < max_bytes:
+            while wait and self._queue and not self._stopping and self._inflight_raw_bytes < max_bytes:
                 wait_s = self._queue[0][0] + max_age_s - time.monotonic()
                 if wait_s <= 0:
                     break
@@ -356,6 +360,7 @@ class Sender:
         captured.release()
         with self._condition:
             self._inflight_bytes -= captured.inflight_nbytes
+            self._inflight_raw_bytes -= captured.raw_nbytes
 
     def _collect(self, captured: CapturedSequence, job: "Future[list[bytes] | str] | None") -> list[bytes]:
         """The frames of a capture, in queue order (sender thread): parts enter their capture's digest here."""

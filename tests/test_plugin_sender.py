@@ -68,6 +68,26 @@ def test_a_full_batch_goes_at_once_and_a_lone_capture_after_its_age(tmp_path) ->
         assert lone["sent"] == 4 and lone_s >= 5.0, (lone, lone_s)
 
 
+def test_a_batch_is_full_of_raw_bytes_not_of_what_the_records_keep_alive(tmp_path) -> None:
+    """Records whose unjoined rows keep large forwards alive (`CapturedSequence.run_held_nbytes`, on CPU) count
+    them against the in-flight bound, not toward a full batch: they still wait for the batch's age together."""
+    size = captured("probe").raw_nbytes
+    with ThreadedCollector(data_dir=tmp_path / "data") as collector:
+        sender, stats, _ = start_sender(tmp_path, collector.url, batch_max_age_s=1.0, batch_max_bytes=3 * size)
+        try:
+            for index in range(2):
+                record = captured(f"held-{index}")
+                record.run_held_nbytes = 10 * size  # alone past batch_max_bytes
+                assert sender.submit(record)
+            time.sleep(0.5)
+            early = stats.snapshot().get("sent", 0)
+            snapshot = wait_for_count(stats, "sent", 2)
+        finally:
+            sender.close()
+    assert early == 0, "records were posted before the batch's age, as if their held bytes filled it"
+    assert snapshot["sent"] == 2 and snapshot["posts"] == 1 and snapshot["dropped"] == {}
+
+
 def test_a_spool_filled_while_the_collector_was_down_drains_in_batches(tmp_path) -> None:
     down_url = "http://127.0.0.1:9"
     sender, stats, spool = start_sender(tmp_path, down_url, batch_max_age_s=0.0)
