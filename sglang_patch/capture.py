@@ -54,9 +54,10 @@ What must hold:
 - the only work done here is queueing the copy of the captured rows off the device, once per forward for
   all captured requests (`device_copy.py`: never waits for the device on CUDA, copies nothing on this thread
   on CPU unless a CPU graph runner replays the forward, and for a small extend forward only notes each
-  capture's rows as a piece of its outputs, `ForwardRows`, joined later as a step's are; a verify step costs a few Python operations per
-  captured request and no tensor op on CPU; an image request's embedding rows are the exception: a plain
-  copy, which waits on CUDA, once per extend that holds image positions, not yet through the row copier);
+  capture's rows as a piece of its outputs, `ForwardRows`, joined later as a step's are; a verify step costs a
+  few Python operations per captured request and no tensor op on CPU; an image request's embedding rows are
+  the exception: a plain copy, which waits on CUDA, once per extend that holds image positions, not yet
+  through the row copier);
   compression and I/O happen in the sender thread;
 - every host buffer a dropped capture holds is released (a leaked pinned slab would starve capture);
 - requests that are not captured cost one dict lookup each; a DECODE batch costs nothing while no

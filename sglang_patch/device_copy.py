@@ -59,8 +59,9 @@ import numpy as np
 import torch
 
 __all__ = [
-    "CopyFailed", "CopyJobs", "CudaRowCopier", "DeferredHostCopier", "ForwardRows", "HostBufferPool", "HostCopier", "HostRows",
-    "PooledRowCopier", "RowCopier", "RowPiece", "SlabLease", "VerifyRows", "cut_slab", "host_cat", "release_pieces",
+    "CopyFailed", "CopyJobs", "CudaRowCopier", "DeferredHostCopier", "ForwardRows", "HostBufferPool", "HostCopier",
+    "HostRows", "PooledRowCopier", "RowCopier", "RowPiece", "SlabLease", "VerifyRows", "cut_slab", "host_cat",
+    "release_pieces",
 ]
 
 
@@ -181,14 +182,30 @@ RowRanges = list[tuple[int, int]]
 """[start, end) row ranges of the captured requests in a forward's output, in batch order."""
 
 
-class VerifyRows:
+class _KeptOutputs:
+    """A forward's output tensors kept by reference (`aux` (rows, K*H), `final` (rows, H)), its captured rows pieces
+    of them: nothing is copied into them, so there is nothing to wait for, and no lease."""
+
+    __slots__ = ()
+    lease = None
+    aux: torch.Tensor
+    final: torch.Tensor
+
+    @property
+    def row_nbytes(self) -> int:
+        return self.aux.shape[1] * self.aux.element_size() + self.final.shape[1] * self.final.element_size()
+
+    def wait(self) -> None:
+        pass
+
+
+class VerifyRows(_KeptOutputs):
     """A verify forward's candidate rows of the captured requests at `positions` (batch order), kept as references
     to the forward's outputs (on CPU: `DeferredHostCopier`): request i's W rows are [i * W, (i + 1) * W), W =
     accept_index.shape[1], read off the scheduler's thread only (`arrays`: by `RowCopier.join` on the copy thread,
     `join_pieces` on the sender's)."""
 
     __slots__ = ("aux", "final", "accept_index", "positions", "num_draft_tokens", "width", "held_nbytes", "_arrays")
-    lease = None
 
     def __init__(self, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor | None, positions: list[int],
                  num_draft_tokens: int) -> None:
@@ -200,13 +217,6 @@ class VerifyRows:
         self.width = 1 if accept_index is None else accept_index.shape[1]
         self.held_nbytes = aux.nbytes + final.nbytes
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
-
-    @property
-    def row_nbytes(self) -> int:
-        return self.aux.shape[1] * self.aux.element_size() + self.final.shape[1] * self.final.element_size()
-
-    def wait(self) -> None:
-        pass  # nothing is being copied into them
 
     def arrays(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows [start, end) of one request's W (numpy views of the bytes; the final rows gathered): the aux rows at
@@ -227,13 +237,12 @@ class VerifyRows:
         return aux[block + first : block + last], final[path]
 
 
-class ForwardRows:
+class ForwardRows(_KeptOutputs):
     """An extend forward's outputs kept by reference (on CPU: `DeferredHostCopier.keep_rows`): each captured
     request's rows are a piece of it, [start, end) of the forward's rows, read off the scheduler's thread only
     (`arrays`: by `RowCopier.join` on the copy thread, `join_pieces` on the sender's)."""
 
     __slots__ = ("aux", "final", "held_nbytes", "_arrays")
-    lease = None
 
     def __init__(self, aux: torch.Tensor, final: torch.Tensor, held_nbytes: int) -> None:
         self.aux = aux  # (rows, K*H), the forward's own
@@ -241,13 +250,6 @@ class ForwardRows:
         self.held_nbytes = held_nbytes
         """Bytes these references keep alive: the whole of the forward's output tensors."""
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None
-
-    @property
-    def row_nbytes(self) -> int:
-        return self.aux.shape[1] * self.aux.element_size() + self.final.shape[1] * self.final.element_size()
-
-    def wait(self) -> None:
-        pass  # nothing is being copied into them
 
     def arrays(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows [start, end) of the forward's outputs (numpy views of their bytes)."""

@@ -383,9 +383,9 @@ def test_a_prefill_captures_one_piece_reaches_the_sender_as_a_view_of_the_forwar
     for number, length in ((1, 5), (2, 4)):
         tag = CaptureTag(record_id=f"rec-{number}", sample_id=f"s-{number}", loss_spans=(), mode="prefill")
         ids = list(range(1000 * number, 1000 * number + length))
-        reqs.append(SimpleNamespace(rid=f"rid-{number}", origin_input_ids=ids, output_ids=[], full_untruncated_fill_ids=ids,
-                                    sampling_params=SimpleNamespace(custom_params=tag.to_custom_params()),
-                                    cache_salt=None, input_embeds=None, mm_inputs=None))
+        reqs.append(SimpleNamespace(rid=f"rid-{number}", origin_input_ids=ids, output_ids=[],
+                                    full_untruncated_fill_ids=ids, cache_salt=None, input_embeds=None, mm_inputs=None,
+                                    sampling_params=SimpleNamespace(custom_params=tag.to_custom_params())))
         asm.selector.on_request(reqs[-1])
     rows = [positions_rows(1, list(range(5))), positions_rows(2, list(range(4)))]
     aux, final = torch.cat([aux for aux, _ in rows]), torch.cat([final for _, final in rows])  # (9, K*H), (9, H)
