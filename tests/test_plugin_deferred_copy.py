@@ -310,7 +310,7 @@ def test_the_copy_threads_cpu_is_counted_per_job() -> None:
     assert len(counted) == 3 and all(2_000_000 <= cpu_ns < 200_000_000 for cpu_ns in counted)
 
 
-def test_the_sender_counts_a_records_share_of_the_forwards_its_unjoined_rows_keep_alive(tmp_path) -> None:
+def test_the_sender_counts_the_forwards_a_records_unjoined_rows_keep_alive(tmp_path) -> None:
     """A finished capture's unjoined pieces keep their forwards' outputs alive: the sender's in-flight bound counts
     them (`CapturedSequence.inflight_nbytes`), so a record that fits by its own bytes alone can still be dropped
     for the memory it holds."""
