@@ -323,6 +323,11 @@ class _Partial:
         self.run_held_nbytes += block.held_nbytes
         self.num_rows += end - start
 
+    @property
+    def run_full(self) -> bool:
+        """The rows noted are due to be joined: `_RUN_MAX_STEPS` pieces or `_RUN_MAX_BYTES` of outputs kept alive."""
+        return len(self.run) >= _RUN_MAX_STEPS or self.run_held_nbytes >= _RUN_MAX_BYTES
+
     def drop_pending(self) -> None:
         """Gives up the verify steps not processed yet (their holds on their blocks)."""
         release_pieces([(block, start, start) for block, start, _ in self.pending])
@@ -528,7 +533,7 @@ class CaptureAssembler:
                 release_pieces([(block, start, start)])
                 continue
             count = int(num_correct_drafts[position]) + 1
-            # `_Partial.note_rows` and `_join_if_due`'s test, written out: this runs per captured request and step
+            # `_Partial.note_rows` and `run_full`, written out: this runs per captured request and step
             run = partial.run
             run.append((block, start, start + count))
             partial.run_held_nbytes += block.held_nbytes
@@ -547,8 +552,7 @@ class CaptureAssembler:
         past a part's rows (then hands the part to the sender)."""
         if not partial.run_cut_rows:
             partial.run_cut_rows = self._part_rows(partial) + 2
-        if (len(partial.run) >= _RUN_MAX_STEPS or partial.run_held_nbytes >= _RUN_MAX_BYTES
-                or partial.num_rows >= partial.run_cut_rows):
+        if partial.run_full or partial.num_rows >= partial.run_cut_rows:
             self._flush_run(partial)
             self._cut_parts(req, partial, now)
 
@@ -685,11 +689,8 @@ class CaptureAssembler:
             return
         for index, (req, partial) in enumerate(taken):
             if block is not None:  # after the rows it holds, a retracted request's steps' included
-                start, end = ranges[index]
-                partial.run.append((block, start, end))
-                partial.run_held_nbytes += block.held_nbytes
-                partial.num_rows += end - start
-                if len(partial.run) >= _RUN_MAX_STEPS or partial.run_held_nbytes >= _RUN_MAX_BYTES:
+                partial.note_rows(block, *ranges[index])
+                if partial.run_full:
                     self._flush_run(partial)  # a prompt in many small chunks keeps no more alive than steps do
             else:
                 if partial.run:  # a retracted request's new prefill: its rows follow those its steps kept
