@@ -203,7 +203,7 @@ class VerifyRows(_KeptOutputs):
     """A verify forward's candidate rows of the captured requests at `positions` (batch order), kept as references
     to the forward's outputs (on CPU: `DeferredHostCopier`): request i's W rows are [i * W, (i + 1) * W), W =
     accept_index.shape[1], read off the scheduler's thread only (`arrays`: by `RowCopier.join` on the copy thread,
-    `join_pieces` on the sender's)."""
+    `CapturedSequence.state_arrays` on the sender's)."""
 
     __slots__ = ("aux", "final", "accept_index", "positions", "num_draft_tokens", "width", "held_nbytes", "_arrays")
 
@@ -233,14 +233,14 @@ class VerifyRows(_KeptOutputs):
         aux, final, accept_index = self._arrays
         if accept_index is None:  # a decode forward's row
             return aux[block + first : block + last], final[block + first : block + last]
-        path = accept_index[position, first:last].astype(np.int64).clip(min=0)  # (n,)
-        return aux[block + first : block + last], final[path]
+        # One call: the path's rows, -1 (past its end) clipped to row 0.
+        return aux[block + first : block + last], final.take(accept_index[position, first:last], axis=0, mode="clip")
 
 
 class ForwardRows(_KeptOutputs):
     """An extend forward's outputs kept by reference (on CPU: `DeferredHostCopier.keep_rows`): each captured
     request's rows are a piece of it, [start, end) of the forward's rows, read off the scheduler's thread only
-    (`arrays`: by `RowCopier.join` on the copy thread, `join_pieces` on the sender's)."""
+    (`arrays`: by `RowCopier.join` on the copy thread, `CapturedSequence.state_arrays` on the sender's)."""
 
     __slots__ = ("aux", "final", "held_nbytes", "_arrays")
 
@@ -435,18 +435,6 @@ class RowCopier:
             _copy_pieces(pieces, aux, final)
 
         return HostRows(aux=aux, final=final, ready=self.jobs.submit(job))
-
-
-def join_pieces(pieces: Sequence[RowPiece]) -> HostRows:
-    """`RowCopier.join` on the calling thread (the sender's), once each piece's own copy has landed. One piece of an
-    extend forward's outputs (a prefill capture's rows, on CPU) is not copied: its rows are a view of them, which
-    the sender reads at once (cold, a copy of a 384-token record's rows at hidden 128 costs ~110 us, the view ~26)."""
-    if len(pieces) == 1 and type(pieces[0][0]) is ForwardRows:
-        rows, start, end = pieces[0]
-        return HostRows(aux=rows.aux[start:end], final=rows.final[start:end])  # (n, K*H), (n, H): views
-    aux, final = _empty_rows(pieces)
-    _copy_pieces(pieces, aux, final)
-    return HostRows(aux=aux, final=final)
 
 
 def _empty_rows(pieces: Sequence[RowPiece]) -> tuple[torch.Tensor, torch.Tensor]:
