@@ -115,7 +115,7 @@ def test_bench_command_rejects_an_unknown_benchmark(capsys: pytest.CaptureFixtur
     assert "unknown benchmark 'codec'; available: codecs, collector, capture, live, trainer" in capsys.readouterr().err
 
 
-def test_spec_capture_pools_acceptance_per_verify_step_and_reports_a_column_per_rate() -> None:
+def test_spec_capture_pools_acceptance_per_verify_step_and_reports_a_column_per_rate_and_the_draftless_one() -> None:
     from types import SimpleNamespace
 
     from eagle_tap.bench import spec_capture
@@ -138,13 +138,18 @@ def test_spec_capture_pools_acceptance_per_verify_step_and_reports_a_column_per_
              "acceptance": pooled, "captured_tokens": 2_400, "dropped": {}, "hook_errors": 0, "hook_calls": 800,
              "cpu_us_per_token": {"hook": 3.0, "sender": 20.0, "collector": 10.0, "total": 33.0}}
     measured = {"absent_tokens_s": 40.0, "absent_acceptance": {"meta_info": 2.5, "meta_info_completion": 2.6},
-                "live0.1": {**entry, "rate": 0.1}, "live1": {**entry, "rate": 1.0, "dropped": {"missing_rows": 1}}}
+                "live0.1": {**entry, "rate": 0.1}, "live1": {**entry, "rate": 1.0, "dropped": {"missing_rows": 1}},
+                "draftless1": {**entry, "rate": 1.0, "ratio": None, "ratio_range": None, "cpu_ratio": None, "acceptance": None,
+                               "cpu_us_per_token": {"hook": 1.0, "sender": 8.0, "collector": 5.0, "total": 14.0}}}
     result = {**spec_capture.report(config, measured, "draft draft"), "wall_s": 1.0}
     _check_well_formed(result)
-    assert [key for key, _, _ in result["columns"]] == ["item", "live0.1", "live1"]
+    assert [key for key, _, _ in result["columns"]] == ["item", "live0.1", "live1", "draftless1"]
     rows = {row["item"]: row for row in result["rows"]}
-    assert rows["served throughput / no plugin (generated tok/s, median of 5 rounds; their range)"]["live0.1"] == (
-        "0.970 (0.91-1.02)")
+    served = rows["served throughput / no plugin (generated tok/s, median of 5 rounds; their range)"]
+    assert (served["live0.1"], served["draftless1"]) == ("0.970 (0.91-1.02)", "-")  # it serves no draft
+    assert rows["  sender thread (sender_cpu_ns)"]["draftless1"] == "8.00 us"
+    against = rows["  sender, collector per token / the draftless server's (same requests)"]
+    assert (against["live1"], against["draftless1"]) == ("2.50x, 2.00x", "-")
     assert rows["coverage: complete records / sampled requests"]["live1"] == "1.0000 (30/30, 0 unreadable)"
     assert rows["  records whose verify steps and accepted drafts equal meta_info's"]["live1"] == "1/2"
     assert rows["  forward hook calls that did work; CPU per call"]["live0.1"] == "800; 9.00 us"  # 3 us x 2,400 / 800

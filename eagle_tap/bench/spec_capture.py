@@ -4,7 +4,11 @@ Servers (CPU, the tiny target), each serving the same draft with SGLang's EAGLE-
 chain of `num_steps` drafts (top-k 1), bf16 as the demo serves it: one with the plugin not loaded
 (SGLANG_PLUGINS names no plugin), and per rate in `live_rates` one sampling that share of its requests
 live, each capturing server with its own collector. The draft is the one the served benchmark serves (a
-demo run at `draft_run`'s size: `served.demo_run`), or the exported folder `draft_dir`.
+demo run at `draft_run`'s size: `served.demo_run`), or the exported folder `draft_dir`. Beside them, a server of
+the same target without the draft samples `draftless_rate` of the same requests (its own collector): what the
+same records cost the capture path on a draftless replica, the like-for-like reference for the sender's and the
+collector's cost per token (the draftless capture benchmark's records are 384-token prefills, these ~45-token
+generations, and a record's fixed costs weigh per token in proportion).
 
 Workload, as part 2 of the live benchmark: untagged requests, radix cache on, greedy answers of up to
 `max_new_tokens`, alternating rounds, every server the same prompts in a round; here each prompt is a
@@ -22,7 +26,7 @@ Reported per rate:
 - capture CPU per captured token over the measured rounds: the plugin's hooks on the scheduler's thread (stats
   `hook_cpu_ns`: after each forward, and after the scheduler processed a batch of a running generate capture),
   its sender thread (`sender_cpu_ns`), its copy thread (`copy_cpu_ns`: the joins of kept rows) and the
-  collector's process.
+  collector's process; and the sender's and the collector's against the draftless server's, same requests.
 """
 
 from __future__ import annotations
@@ -82,6 +86,8 @@ class Config:
     """Requests in flight per server."""
     live_rates: tuple[float, ...] = (0.1, 1.0)
     """EAGLE_TAP_LIVE_SAMPLE_RATE of each capturing server."""
+    draftless_rate: float | None = 1.0
+    """EAGLE_TAP_LIVE_SAMPLE_RATE of the server without the draft (None: no such server)."""
 
     @classmethod
     def quick(cls) -> Config:
@@ -90,6 +96,10 @@ class Config:
 
 def server_name(rate: float) -> str:
     return f"live{rate:g}"
+
+
+def draftless_name(rate: float) -> str:
+    return f"draftless{rate:g}"
 
 
 def meta_info_acceptance(meta_infos: list[dict]) -> dict[str, float]:
@@ -121,22 +131,28 @@ def pooled_acceptance(records: dict[str, Any], meta_infos: dict[str, dict], reco
 @contextlib.contextmanager
 def spec_servers(config: Config, draft: Path, work: Path) -> Iterator[tuple[dict[str, SGLangServer],
                                                                            dict[str, tuple[float, CollectorProcess]]]]:
-    """Started and stopped on exit: ({"absent": the server without the plugin, per rate its capturing server},
-    {capturing server's name: (rate, its own collector)}), every server serving the same draft."""
+    """Started and stopped on exit: ({"absent": the server without the plugin, per rate its capturing server, and
+    the draftless capturing server}, {capturing server's name: (rate, its own collector)}), every server but the
+    draftless one serving the same draft."""
     speculative = SpeculativeConfig(draft_dir=draft, num_steps=config.num_steps)
     servers: dict[str, SGLangServer] = {}
     capturing: dict[str, tuple[float, CollectorProcess]] = {}
+
+    def add_capturing(name: str, rate: float, served: SpeculativeConfig | None) -> None:
+        capturing[name] = (rate, CollectorProcess(work / f"collector-{name}" / "data"))
+        servers[name] = SGLangServer(ServerConfig(
+            model_path=TINY_MODEL_DIR, speculative=served, log_path=work / f"{name}.log",
+            env={"EAGLE_TAP_COLLECTOR_URL": capturing[name][1].url, "EAGLE_TAP_SPOOL_DIR": str(work / f"spool-{name}"),
+                 "EAGLE_TAP_LIVE_SAMPLE_RATE": str(rate)}))
+
     try:
         servers["absent"] = SGLangServer(ServerConfig(model_path=TINY_MODEL_DIR, speculative=speculative,
                                                       log_path=work / "absent.log",
                                                       env={"SGLANG_PLUGINS": "none-loaded"}))
         for rate in config.live_rates:
-            name = server_name(rate)
-            capturing[name] = (rate, CollectorProcess(work / f"collector-{name}" / "data"))
-            servers[name] = SGLangServer(ServerConfig(
-                model_path=TINY_MODEL_DIR, speculative=speculative, log_path=work / f"{name}.log",
-                env={"EAGLE_TAP_COLLECTOR_URL": capturing[name][1].url, "EAGLE_TAP_SPOOL_DIR": str(work / f"spool-{name}"),
-                     "EAGLE_TAP_LIVE_SAMPLE_RATE": str(rate)}))
+            add_capturing(server_name(rate), rate, speculative)
+        if config.draftless_rate is not None:
+            add_capturing(draftless_name(config.draftless_rate), config.draftless_rate, None)
         start_all(list(servers.values()))
         yield servers, capturing
     finally:
@@ -157,10 +173,10 @@ def measure(config: Config, draft: Path, work: Path) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     expected: dict[str, list[int]] = {}  # record id -> prompt + answer of every sampled request
     meta_infos: dict[str, dict] = {}  # record id -> SGLang's meta_info of the same request
-    sampled_by: dict[str, list[str]] = {server_name(rate): [] for rate in config.live_rates}
     absent_meta_infos: list[dict] = []
     stats_after = {}
     with spec_servers(config, draft, work) as (servers, capturing):
+        sampled_by: dict[str, list[str]] = {name: [] for name in capturing}  # its sampled requests' record ids
         stats_before = warm_up(servers, capturing, warmup, config.max_new_tokens, config.concurrency, work)
         frames_due = {name: frames_out(stats) for name, stats in stats_before.items()}  # one frame a record
         for number in range(config.rounds):
@@ -188,7 +204,7 @@ def measure(config: Config, draft: Path, work: Path) -> dict[str, Any]:
                 row[f"{name}_collector_cpu_s"] = collector_cpu_storing(
                     collector, [f"live-{rid}" for rid in answered if is_sampled(rid, rate)], collector_cpu,
                     plugin_stats=(work / f"spool-{name}" / "dp0" / "stats.json", frames_due[name]))
-            for name in capturing:  # generated tokens per second (greedy answers may differ a little in length)
+            for name in map(server_name, config.live_rates):  # generated tokens/s (answers may differ a little)
                 row[f"{name}_ratio"] = (row[f"{name}_tokens"] / row[f"{name}_s"]) / (row["absent_tokens"] / row["absent_s"])
                 row[f"{name}_cpu_ratio"] = row["absent_cpu_s"] / row[f"{name}_cpu_s"]
             rows.append(row)
@@ -211,12 +227,15 @@ def measure(config: Config, draft: Path, work: Path) -> dict[str, Any]:
                   "sender": per_token_us((after.get("sender_cpu_ns", 0) - before.get("sender_cpu_ns", 0)) / 1e9),
                   "copy": per_token_us((after.get("copy_cpu_ns", 0) - before.get("copy_cpu_ns", 0)) / 1e9),
                   "collector": per_token_us(sum(row[f"{name}_collector_cpu_s"] for row in rows))}
-        ratios = [row[f"{name}_ratio"] for row in rows]
-        result[name] = {"rate": rate, "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
-                        "cpu_ratio": statistics.median(row[f"{name}_cpu_ratio"] for row in rows),
+        entry: dict[str, Any] = {"rate": rate, "ratio": None, "ratio_range": None, "cpu_ratio": None, "acceptance": None}
+        if f"{name}_ratio" in rows[0]:  # serves the draft (the draftless server's throughput is not compared)
+            ratios = [row[f"{name}_ratio"] for row in rows]
+            entry.update(ratio=statistics.median(ratios), ratio_range=[min(ratios), max(ratios)],
+                         cpu_ratio=statistics.median(row[f"{name}_cpu_ratio"] for row in rows),
+                         acceptance=pooled_acceptance(records, meta_infos, ids))
+        result[name] = {**entry,
                         "sampled": len(ids), "complete": complete, "unreadable": unreadable,
                         "coverage": complete / len(ids) if ids else float("nan"),
-                        "acceptance": pooled_acceptance(records, meta_infos, ids),
                         "captured_tokens": tokens, "cpu_us_per_token": {**cpu_us, "total": sum(cpu_us.values())},
                         "hook_calls": after.get("hook_calls", 0) - before.get("hook_calls", 0),
                         "dropped": after.get("dropped") or {}, "hook_errors": after.get("hook_errors", 0)}
@@ -230,28 +249,41 @@ def _per_call_us(entry: dict[str, Any]) -> float:
 
 
 def report(config: Config, measured: dict[str, Any], draft_note: str) -> dict[str, Any]:
-    """The bench report's entry: a table with one column per rate, the notes, and `measured` as the summary."""
+    """The bench report's entry: a table with one column per rate and one for the draftless server, the notes, and
+    `measured` as the summary."""
     names = [server_name(rate) for rate in config.live_rates]
     columns = [["item", "measure", "s"], *([name, f"live {rate:.0%}", "s"] for name, rate in zip(names, config.live_rates))]
+    reference = None if config.draftless_rate is None else draftless_name(config.draftless_rate)
+    if reference is not None:
+        columns.append([reference, f"draftless, live {config.draftless_rate:.0%}", "s"])
 
-    def row(item: str, value) -> dict[str, str]:
-        return {"item": item, **{name: value(measured[name]) for name in names}}
+    def row(item: str, value, *, draft_only: bool = False) -> dict[str, str]:
+        cells = {"item": item, **{name: value(measured[name]) for name in names}}
+        if reference is not None:
+            cells[reference] = "-" if draft_only else value(measured[reference])
+        return cells
+
+    def against_draftless(entry: dict[str, Any]) -> str:
+        own, theirs = entry["cpu_us_per_token"], measured[reference]["cpu_us_per_token"]
+        return f"{own['sender'] / theirs['sender']:.2f}x, {own['collector'] / theirs['collector']:.2f}x"
 
     rows = [
         row(f"served throughput / no plugin (generated tok/s, median of {config.rounds} rounds; their range)",
-            lambda entry: f"{entry['ratio']:.3f} ({entry['ratio_range'][0]:.2f}-{entry['ratio_range'][1]:.2f})"),
-        row("server CPU, no plugin / with it (median)", lambda entry: f"{entry['cpu_ratio']:.3f}"),
+            lambda entry: f"{entry['ratio']:.3f} ({entry['ratio_range'][0]:.2f}-{entry['ratio_range'][1]:.2f})",
+            draft_only=True),
+        row("server CPU, no plugin / with it (median)", lambda entry: f"{entry['cpu_ratio']:.3f}", draft_only=True),
         row("coverage: complete records / sampled requests",
             lambda entry: f"{entry['coverage']:.4f} ({entry['complete']}/{entry['sampled']}, "
             f"{entry['unreadable']} unreadable)"),
         row("acceptance length, records: (accepted drafts + verify steps) / verify steps",
-            lambda entry: f"{entry['acceptance']['records']:.3f}"),
+            lambda entry: f"{entry['acceptance']['records']:.3f}", draft_only=True),
         row("  SGLang meta_info, same requests: (spec_num_correct_drafts + spec_verify_ct) / spec_verify_ct",
-            lambda entry: f"{entry['acceptance']['meta_info']:.3f}"),
+            lambda entry: f"{entry['acceptance']['meta_info']:.3f}", draft_only=True),
         row("  SGLang meta_info, same requests: completion_tokens / spec_verify_ct (its spec_accept_length)",
-            lambda entry: f"{entry['acceptance']['meta_info_completion']:.3f}"),
+            lambda entry: f"{entry['acceptance']['meta_info_completion']:.3f}", draft_only=True),
         row("  records whose verify steps and accepted drafts equal meta_info's",
-            lambda entry: f"{entry['acceptance']['records_agreeing']}/{entry['acceptance']['records_compared']}"),
+            lambda entry: f"{entry['acceptance']['records_agreeing']}/{entry['acceptance']['records_compared']}",
+            draft_only=True),
         row("capture CPU per captured token: forward hooks (hook_cpu_ns)",
             lambda entry: f"{entry['cpu_us_per_token']['hook']:.2f} us"),
         row("  forward hook calls that did work; CPU per call",
@@ -262,11 +294,14 @@ def report(config: Config, measured: dict[str, Any], draft_note: str) -> dict[st
         row("  collector process", lambda entry: f"{entry['cpu_us_per_token']['collector']:.2f} us"),
         row("  all four (captured tokens)",
             lambda entry: f"{entry['cpu_us_per_token']['total']:.2f} us ({entry['captured_tokens']:,})"),
+        *([row("  sender, collector per token / the draftless server's (same requests)", against_draftless,
+               draft_only=True)] if reference is not None else []),
     ]
     absent = measured["absent_acceptance"]
     problems = [f"{name}: " + ", ".join([*(f"{count} {reason}" for reason, count in measured[name]["dropped"].items()),
                                           f"{measured[name]['hook_errors']} hook errors"])
-                for name in names if measured[name]["dropped"] or measured[name]["hook_errors"]]
+                for name in [*names, *([reference] if reference else [])]
+                if measured[name]["dropped"] or measured[name]["hook_errors"]]
     notes = [
         f"{config.num_requests} requests per server per round (each a different demo conversation's first turn), "
         f"greedy answers of up to {config.max_new_tokens} tokens, concurrency {config.concurrency}, radix cache on, "
@@ -277,14 +312,18 @@ def report(config: Config, measured: dict[str, Any], draft_note: str) -> dict[st
         "produced, and leaves out what a finished request's last step accepted past its end (a stop, max_new_tokens)",
         f"no plugin: {measured['absent_tokens_s']:,.1f} generated tok/s (median), acceptance over all its requests "
         f"{absent['meta_info']:.3f} (same definition) / {absent['meta_info_completion']:.3f} (completion tokens)",
-        "capture CPU: thread CPU of the plugin's hooks on the target's extend and verify forwards (not the hook that "
-        "assembles finished records after each batch) and of its sender, and the collector's process CPU from each "
-        "round's start until its records were stored (its idle CPU included, which is most of it when few records "
-        "come), per token of the records captured in the measured rounds",
+        "capture CPU: thread CPU of the plugin's hooks on the scheduler's thread (after each forward, and after the "
+        "scheduler processed a batch of a running generate capture), of its sender and copy threads, and the "
+        "collector's process CPU from each round's start until its records were stored (its idle CPU included, which "
+        "is most of it when few records come), per token of the records captured in the measured rounds",
+        *([f"draftless, live {config.draftless_rate:.0%}: the same target without the draft, sent the same requests "
+           "and capturing them: what the same records cost the capture path on a draftless replica (its throughput is "
+           "not compared: it decodes a token a step)"] if reference is not None else []),
         "captures dropped (by reason) and hook errors: " + ("; ".join(problems) or "none"),
     ]
     rates = " and ".join(f"{rate:.0%}" for rate in config.live_rates)
-    return {"title": f"Live capture on a replica serving an EAGLE-3 draft: the plugin at {rates} vs not loaded",
+    return {"title": f"Live capture on a replica serving an EAGLE-3 draft: the plugin at {rates} vs not loaded"
+                     + (", and a draftless replica capturing the same requests" if reference is not None else ""),
             "parameters": asdict(config), "columns": columns, "rows": rows, "summary": measured, "notes": notes}
 
 
