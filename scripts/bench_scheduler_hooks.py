@@ -12,9 +12,13 @@ spec-capture benchmark's.
 
 Prints, per width and share of the batch captured, the scheduler thread's CPU per captured token (thread CPU
 time around each call, median of `--repeats` runs) and what the hooks counted themselves (`hook_cpu_ns`,
-measured on some calls: `sglang_patch.stats.HookTimer`), then the median call of each kind.
+measured on some calls: `sglang_patch.stats.HookTimer`), then the median call of each kind. With `--records`, the
+sender's side of the same records instead: per record (caches evicted before each unless `--warm`), the CPU of
+joining its rows (`CapturedSequence.state_arrays`) and of making and encoding its frame (`to_records`,
+`encode_frame`), median of each run's records, runs of fresh records.
 
     .venv/bin/python scripts/bench_scheduler_hooks.py [--generations 10] [--steps 10] [--repeats 3] [--warm]
+        [--records]
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ from types import SimpleNamespace
 
 import torch
 
+from capture_format import encode_frame
 from capture_format.tag import CaptureTag
 from sglang_patch.capture import CaptureAssembler
 from sglang_patch.device_copy import DeferredHostCopier
 from sglang_patch.forward_hook import CaptureHook
+from sglang_patch.sender import ModelIdentity, to_records
 from sglang_patch.settings import CaptureSettings
 from sglang_patch.speculative import SpecServing
 
@@ -38,6 +44,11 @@ CHAIN = SpecServing(algorithm="EAGLE3", draft_path="draft", num_steps=NUM_STEPS,
                     num_draft_tokens=NUM_DRAFT_TOKENS)
 PROMPT_LEN = 16
 EVICT = torch.ones(8 << 20, dtype=torch.float32)  # 32 MiB, written before each call when cold
+
+
+def states(shape: tuple[int, int]) -> torch.Tensor:
+    """Random bf16 rows: a forward's outputs, as costly to compress as real ones (zeros would cost nothing)."""
+    return torch.randn(shape).to(torch.bfloat16)
 
 
 class Mode:
@@ -75,8 +86,9 @@ class Req:
 
 
 def run(*, batch: int, captured: int, hidden: int, generations: int, steps: int, accepted: int,
-        cold: bool) -> tuple[float, float, dict[str, list[int]]]:
-    """(thread CPU us per captured token around the calls, the hooks' own count of it, CPU ns of each call by kind)."""
+        cold: bool, records: list | None = None) -> tuple[float, float, dict[str, list[int]]]:
+    """(thread CPU us per captured token around the calls, the hooks' own count of it, CPU ns of each call by kind).
+    With `records` (a list), the records made are added to it instead of joined here."""
     emitted: list = []
     hook = CaptureHook(CaptureSettings(collector_url="http://127.0.0.1:9"))
     hook._spec, hook._draft_identity = CHAIN, "d" * 32
@@ -98,9 +110,8 @@ def run(*, batch: int, captured: int, hidden: int, generations: int, steps: int,
             hook.selector.on_request(req)
         extend = SimpleNamespace(forward_mode=Mode("EXTEND"), reqs=reqs, prefix_lens=[0] * batch,
                                  extend_lens=[PROMPT_LEN] * batch)
-        outputs = SimpleNamespace(
-            hidden_states=torch.zeros((batch * PROMPT_LEN, 3 * hidden), dtype=torch.bfloat16),  # (B*P, K*H)
-            last_hidden_states=torch.zeros((batch * PROMPT_LEN, hidden), dtype=torch.bfloat16))  # (B*P, H)
+        outputs = SimpleNamespace(hidden_states=states((batch * PROMPT_LEN, 3 * hidden)),  # (B*P, K*H)
+                                  last_hidden_states=states((batch * PROMPT_LEN, hidden)))  # (B*P, H)
         call("prefill forward", hook, SimpleNamespace(logits_output=outputs), None, extend)
         for req in reqs:
             req.output_ids.append(1)
@@ -111,9 +122,8 @@ def run(*, batch: int, captured: int, hidden: int, generations: int, steps: int,
         decode = SimpleNamespace(forward_mode=Mode("DECODE"), reqs=reqs)
         for step in range(steps):
             # Each verify forward allocates its outputs anew on CPU (the copier keeps references to them).
-            outputs = SimpleNamespace(
-                hidden_states=torch.zeros((batch * NUM_DRAFT_TOKENS, 3 * hidden), dtype=torch.bfloat16),
-                last_hidden_states=torch.zeros((batch * NUM_DRAFT_TOKENS, hidden), dtype=torch.bfloat16))
+            outputs = SimpleNamespace(hidden_states=states((batch * NUM_DRAFT_TOKENS, 3 * hidden)),
+                                      last_hidden_states=states((batch * NUM_DRAFT_TOKENS, hidden)))
             result = SimpleNamespace(logits_output=outputs, accept_index=accept_index.clone(),
                                      speculative_num_draft_tokens=NUM_DRAFT_TOKENS)
             call("verify forward", hook.on_spec_forward, result, None, decode)
@@ -126,10 +136,31 @@ def run(*, batch: int, captured: int, hidden: int, generations: int, steps: int,
                  None, None, decode, SimpleNamespace(num_correct_drafts_per_req_cpu=[accepted] * batch))
         tokens += captured * (PROMPT_LEN + steps * (accepted + 1))
     assert len(emitted) == captured * generations, f"{len(emitted)} records, {captured * generations} captured"
-    for record in emitted:
-        record.states()  # every row reached the record (joined here, as on the sender's thread)
+    if records is not None:
+        records.extend(emitted)
+    else:
+        for record in emitted:
+            record.state_arrays()  # every row reached the record (joined here, as on the sender's thread)
     spent_ns = sum(sum(times) for times in calls.values())
     return spent_ns / 1e3 / tokens, hook.stats.snapshot().get("hook_cpu_ns", 0) / 1e3 / tokens, calls
+
+
+def sender_side(records: list, hidden: int, *, cold: bool) -> tuple[float, float]:
+    """Median thread CPU (us) per record of joining its rows, and of making and encoding its frames from them."""
+    model = ModelIdentity(capture_layers=(1, 2, 3), hidden_size=hidden, model_fingerprint="f" * 64,
+                          state_dtype="bfloat16", codec="bf16-split")
+    joins, frames = [], []
+    for record in records:
+        if cold:
+            EVICT.mul_(1.0000001)
+        started = time.thread_time_ns()
+        record.state_arrays()
+        joined = time.thread_time_ns()
+        for made in to_records(record, model):  # the rows joined above are read as they are
+            encode_frame(made, model.codec)
+        frames.append((time.thread_time_ns() - joined) / 1e3)
+        joins.append((joined - started) / 1e3)
+    return statistics.median(joins), statistics.median(frames)
 
 
 def main() -> None:
@@ -140,12 +171,30 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--accepted", type=int, default=2, help="drafts each step accepts (tokens a step - 1)")
     parser.add_argument("--warm", action="store_true", help="leave the caches as the last call left them")
+    parser.add_argument("--records", action="store_true", help="time the sender's side of the records instead")
     args = parser.parse_args()
     torch.set_num_threads(1)
     tokens = PROMPT_LEN + args.steps * (args.accepted + 1)
     print(f"{args.batch} requests a batch, {PROMPT_LEN} prompt tokens and {args.steps} verify steps of "
           f"{args.accepted + 1} tokens each ({tokens} captured tokens a request), {args.generations} generations, "
-          f"caches {'warm' if args.warm else 'cold'}; scheduler thread CPU, median (range) of {args.repeats} runs")
+          f"caches {'warm' if args.warm else 'cold'}; {'the sender' if args.records else 'scheduler'} thread CPU, "
+          f"median (range) of {args.repeats} runs")
+    if args.records:
+        print("| hidden | captured | join, us per record | to_records + encode_frame, us per record |")
+        print("|---|---|---|---|")
+        for hidden in (128, 7168):
+            for captured in (args.batch, 1):
+                runs = []
+                for _ in range(args.repeats):
+                    records: list = []
+                    run(batch=args.batch, captured=captured, hidden=hidden, generations=args.generations,
+                        steps=args.steps, accepted=args.accepted, cold=False, records=records)
+                    runs.append(sender_side(records, hidden, cold=not args.warm))
+                joins, frames = [join for join, _ in runs], [frame for _, frame in runs]
+                print(f"| {hidden} | {captured} of {args.batch} | {statistics.median(joins):.1f} "
+                      f"({min(joins):.1f}-{max(joins):.1f}) | {statistics.median(frames):.1f} "
+                      f"({min(frames):.1f}-{max(frames):.1f}) |")
+        return
     print("| hidden | captured | us per captured token | hooks' own count | median call, us |")
     print("|---|---|---|---|---|")
     for hidden in (128, 7168):

@@ -6,14 +6,30 @@ import importlib.util
 from pathlib import Path
 
 
-def test_the_scheduler_hooks_benchmark_runs_and_every_record_is_whole() -> None:
+def load_bench():
     path = Path(__file__).parents[1] / "scripts" / "bench_scheduler_hooks.py"
     spec = importlib.util.spec_from_file_location("bench_scheduler_hooks", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_scheduler_hooks_benchmark_runs_and_every_record_is_whole() -> None:
+    bench = load_bench()
     around, own, calls = bench.run(batch=4, captured=1, hidden=16, generations=2, steps=3, accepted=2, cold=False)
     # run() itself checks that each captured request's record came out whole (every row of its tokens)
     assert around > 0 and own >= 0
     assert {kind: len(times) for kind, times in calls.items()} == {
         "prefill forward": 2, "prefill processed": 2, "verify forward": 6, "verify processed": 4,
         "verify processed, finishing": 2}
+
+
+def test_its_sender_side_joins_and_encodes_the_records_it_made() -> None:
+    bench = load_bench()
+    records: list = []
+    bench.run(batch=4, captured=2, hidden=16, generations=2, steps=3, accepted=2, cold=False, records=records)
+    join_us, frames_us = bench.sender_side(records, 16, cold=False)
+    assert join_us > 0 and frames_us > 0
+    # 2 captured requests a generation; each record: the prompt, the prefill's token and 3 steps of 3 tokens, a state
+    # for every token but the last
+    assert [record.state_arrays()[0].shape for record in records] == [(bench.PROMPT_LEN + 1 + 9 - 1, 3 * 16)] * 4
