@@ -223,7 +223,8 @@ class CapturedSequence:
         chunk that replaces them (their holds given up). One chunk, or one piece of an extend forward (a prefill
         capture's rows, on CPU), is read in place: views, to read before `release()` (cold, a copy of a 384-token
         record's rows at hidden 128 costs the sender ~110 us, the view ~26). Joining the pieces into a chunk of
-        torch tensors first cost a 62-token record of 16 pieces ~280 us cold on the sender's thread."""
+        torch tensors first, then the chunks, cost a 62-token record of 16 pieces ~210 us cold against ~140
+        (`scripts/bench_scheduler_hooks.py --records`)."""
         if self.run or len(self.chunks) > 1:
             sources = [(chunk, 0, chunk.aux.shape[0]) for chunk in self.chunks] + self.run
             first = sources[0][0]
