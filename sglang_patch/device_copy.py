@@ -233,8 +233,8 @@ class VerifyRows(_KeptOutputs):
         aux, final, accept_index = self._arrays
         if accept_index is None:  # a decode forward's row
             return aux[block + first : block + last], final[block + first : block + last]
-        # One call: the path's rows, -1 (past its end) clipped to row 0.
-        return aux[block + first : block + last], final.take(accept_index[position, first:last], axis=0, mode="clip")
+        path = np.maximum(accept_index[position, first:last], 0)  # (n,): -1 past the path's end reads row 0
+        return aux[block + first : block + last], final.take(path, axis=0)  # an index past the rows raises, as before
 
 
 class ForwardRows(_KeptOutputs):
