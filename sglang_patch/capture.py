@@ -245,11 +245,15 @@ class CapturedSequence:
         held = self.num_states - self.first_row
         return aux[:held], final[:held]
 
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """The dtype its rows are held in (the forward's, aux and final alike)."""
+        return (self.chunks[0] if self.chunks else self.run[0][0]).aux.dtype
+
     def states(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`state_arrays` as CPU tensors of the states' dtype: (aux (S, K*H), final (S, H))."""
+        """`state_arrays` as CPU tensors of `state_dtype`: (aux (S, K*H), final (S, H))."""
         aux, final = self.state_arrays()
-        chunk = self.chunks[0]
-        return torch.from_numpy(aux).view(chunk.aux.dtype), torch.from_numpy(final).view(chunk.final.dtype)
+        return torch.from_numpy(aux).view(self.state_dtype), torch.from_numpy(final).view(self.state_dtype)
 
     def release(self) -> None:
         for chunk in self.chunks:

@@ -117,8 +117,7 @@ def to_records(captured: CapturedSequence, model: ModelIdentity, parts_digest: s
     release). ValueError if the capture cannot make valid records (e.g. its token ids are not those it was
     planned on)."""
     aux_rows, final_rows = captured.state_arrays()  # (S', K*H), (S', H): the rows from token first_row on
-    state_dtype = captured.chunks[0].aux.dtype
-    dtype_name, view_dtype, numpy_dtype = _STATE_DTYPES[state_dtype]
+    dtype_name, view_dtype, numpy_dtype = _STATE_DTYPES[captured.state_dtype]
     held, num_layers = aux_rows.shape[0], len(model.capture_layers)
     aux = aux_rows.view(numpy_dtype).reshape(held, num_layers, model.hidden_size)
     final = final_rows.view(numpy_dtype).reshape(held, model.hidden_size)
@@ -156,7 +155,7 @@ def to_records(captured: CapturedSequence, model: ModelIdentity, parts_digest: s
     if captured.input_embed_spans:  # a request with images: never in blocks or parts
         embeds = host_cat(captured.input_embeds) if len(captured.input_embeds) > 1 else captured.input_embeds[0]
         images = {"input_embed_spans": captured.input_embed_spans,  # (E, H)
-                  "input_embeds": embeds.to(state_dtype).view(view_dtype).numpy().view(numpy_dtype)}
+                  "input_embeds": embeds.to(captured.state_dtype).view(view_dtype).numpy().view(numpy_dtype)}
     records.append(CaptureRecord(
         record_id=captured.tag.record_id, sample_id=captured.tag.sample_id, token_ids=token_ids,
         loss_spans=captured.loss_spans, aux=aux[own - first_row :],  # (S - own, K, H)
