@@ -15,10 +15,12 @@ time around each call, median of `--repeats` runs) and what the hooks counted th
 measured on some calls: `sglang_patch.stats.HookTimer`), then the median call of each kind. With `--records`, the
 sender's side of the same records instead: per record (caches evicted before each unless `--warm`), the CPU of
 joining its rows (`CapturedSequence.state_arrays`) and of making and encoding its frame (`to_records`,
-`encode_frame`), median of each run's records, runs of fresh records.
+`encode_frame`), median of each run's records, runs of fresh records. With `--floor`, a verify step's two calls
+(after the forward, after its processing) as they are and with the step's capture work left out: what any design
+pays that runs a Python hook at those two points, the floor under the scheduler thread's cost per captured token.
 
     .venv/bin/python scripts/bench_scheduler_hooks.py [--generations 10] [--steps 10] [--repeats 3] [--warm]
-        [--records]
+        [--records | --floor]
 """
 
 from __future__ import annotations
@@ -86,22 +88,33 @@ class Req:
 
 
 def run(*, batch: int, captured: int, hidden: int, generations: int, steps: int, accepted: int,
-        cold: bool, records: list | None = None) -> tuple[float, float, dict[str, list[int]]]:
+        cold: bool, records: list | None = None, floor: bool = False,
+        own: dict[str, int] | None = None) -> tuple[float, float, dict[str, list[int]]]:
     """(thread CPU us per captured token around the calls, the hooks' own count of it, CPU ns of each call by kind).
-    With `records` (a list), the records made are added to it instead of joined here."""
+    With `records` (a list), the records made are added to it instead of joined here. With `own` (a dict), the
+    hooks' own count (`hook_cpu_ns`) of each kind of call is added to it, in ns.
+
+    floor: the verify step's capture work left out (the assembler's `on_verify` and `on_verify_processed` do
+    nothing), so its two calls cost what any design pays that runs a Python hook after each verify forward and
+    after its processing: the hooks' entry, checks and timer, cold. No record comes out whole then."""
     emitted: list = []
     hook = CaptureHook(CaptureSettings(collector_url="http://127.0.0.1:9"))
     hook._spec, hook._draft_identity = CHAIN, "d" * 32
     hook._assembler = CaptureAssembler(stats=hook.stats, emit=emitted.append, selector=hook.selector,
                                        copier=DeferredHostCopier(), served_draft=hook.served_draft)
+    if floor:
+        hook._assembler.on_verify = hook._assembler.on_verify_processed = lambda *args: None
     calls: dict[str, list[int]] = {}
 
     def call(kind: str, hook_call, *args) -> None:
+        own_before = hook.stats.snapshot().get("hook_cpu_ns", 0) if own is not None else 0
         if cold:
             EVICT.mul_(1.0000001)
         started = time.thread_time_ns()
         hook_call(*args)
         calls.setdefault(kind, []).append(time.thread_time_ns() - started)
+        if own is not None:
+            own[kind] = own.get(kind, 0) + hook.stats.snapshot().get("hook_cpu_ns", 0) - own_before
 
     tokens = 0
     for generation in range(generations):
@@ -135,7 +148,10 @@ def run(*, batch: int, captured: int, hidden: int, generations: int, steps: int,
             call("verify processed, finishing" if step == steps - 1 else "verify processed", hook.on_batch_processed,
                  None, None, decode, SimpleNamespace(num_correct_drafts_per_req_cpu=[accepted] * batch))
         tokens += captured * (PROMPT_LEN + steps * (accepted + 1))
-    assert len(emitted) == captured * generations, f"{len(emitted)} records, {captured * generations} captured"
+    if floor:
+        assert not emitted, "with the verify steps' work left out no record can be whole"
+    else:
+        assert len(emitted) == captured * generations, f"{len(emitted)} records, {captured * generations} captured"
     if records is not None:
         records.extend(emitted)
     else:
@@ -163,6 +179,33 @@ def sender_side(records: list, hidden: int, *, cold: bool) -> tuple[float, float
     return statistics.median(joins), statistics.median(frames)
 
 
+def print_floor(args: argparse.Namespace) -> None:
+    """A verify step's two calls as they are and with the step's capture work left out (`run(floor=True)`): thread
+    CPU around each call (median) and the hooks' own count of it (`hook_cpu_ns`, mean a call), then the own count
+    of a step per captured token of the step."""
+    print("| hidden | captured | verify step's work | verify forward: around, own | verify processed: around, own "
+          "| own a step per captured token |")
+    print("|---|---|---|---|---|---|")
+    for hidden in (128, 7168):
+        for captured in (args.batch, 1):
+            for floor in (False, True):
+                per_kind: dict[str, list[int]] = {}
+                own: dict[str, int] = {}
+                for _ in range(args.repeats):
+                    _, _, calls = run(batch=args.batch, captured=captured, hidden=hidden,
+                                      generations=args.generations, steps=args.steps, accepted=args.accepted,
+                                      cold=not args.warm, floor=floor, own=own)
+                    for kind, times in calls.items():
+                        per_kind.setdefault(kind, []).extend(times)
+                cells, step_own_us = [], 0.0
+                for kind in ("verify forward", "verify processed"):
+                    own_us = own.get(kind, 0) / len(per_kind[kind]) / 1e3
+                    step_own_us += own_us
+                    cells.append(f"{statistics.median(per_kind[kind]) / 1e3:.1f}, {own_us:.1f} us")
+                print(f"| {hidden} | {captured} of {args.batch} | {'none (floor)' if floor else 'as it is'} | "
+                      f"{cells[0]} | {cells[1]} | {step_own_us / (captured * (args.accepted + 1)):.2f} us |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--generations", type=int, default=10)
@@ -172,6 +215,8 @@ def main() -> None:
     parser.add_argument("--accepted", type=int, default=2, help="drafts each step accepts (tokens a step - 1)")
     parser.add_argument("--warm", action="store_true", help="leave the caches as the last call left them")
     parser.add_argument("--records", action="store_true", help="time the sender's side of the records instead")
+    parser.add_argument("--floor", action="store_true",
+                        help="a verify step's two calls with its capture work and without (what any hook design pays)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     tokens = PROMPT_LEN + args.steps * (args.accepted + 1)
@@ -194,6 +239,9 @@ def main() -> None:
                 print(f"| {hidden} | {captured} of {args.batch} | {statistics.median(joins):.1f} "
                       f"({min(joins):.1f}-{max(joins):.1f}) | {statistics.median(frames):.1f} "
                       f"({min(frames):.1f}-{max(frames):.1f}) |")
+        return
+    if args.floor:
+        print_floor(args)
         return
     print("| hidden | captured | us per captured token | hooks' own count | median call, us |")
     print("|---|---|---|---|---|")

@@ -33,3 +33,16 @@ def test_its_sender_side_joins_and_encodes_the_records_it_made() -> None:
     # 2 captured requests a generation; each record: the prompt, the prefill's token and 3 steps of 3 tokens, a state
     # for every token but the last
     assert [record.state_arrays()[0].shape for record in records] == [(bench.PROMPT_LEN + 1 + 9 - 1, 3 * 16)] * 4
+
+
+def test_its_floor_leaves_the_verify_steps_work_out_and_counts_each_kind_of_call() -> None:
+    bench = load_bench()
+    own: dict[str, int] = {}
+    _, _, calls = bench.run(batch=4, captured=2, hidden=16, generations=2, steps=3, accepted=2, cold=False,
+                            floor=True, own=own)  # run() checks that no record came out (their steps' rows were not kept)
+    assert len(calls["verify forward"]) == 6 and set(own) == set(calls)
+    with_work: dict[str, int] = {}
+    records: list = []
+    bench.run(batch=4, captured=2, hidden=16, generations=2, steps=3, accepted=2, cold=False, own=with_work,
+              records=records)
+    assert len(records) == 4 and set(with_work) == set(calls)
