@@ -18,9 +18,10 @@ joining its rows (`CapturedSequence.state_arrays`) and of making and encoding it
 `encode_frame`), median of each run's records, runs of fresh records. With `--floor`, a verify step's two calls
 (after the forward, after its processing) as they are and with the step's capture work left out: what any design
 pays that runs a Python hook at those two points, the floor under the scheduler thread's cost per captured token.
+With `--draftless`, a server without a draft: decode steps of one token a request instead of verify steps.
 
     .venv/bin/python scripts/bench_scheduler_hooks.py [--generations 10] [--steps 10] [--repeats 3] [--warm]
-        [--records | --floor]
+        [--batch 8] [--records | --floor | --draftless]
 """
 
 from __future__ import annotations
@@ -88,18 +89,22 @@ class Req:
 
 
 def run(*, batch: int, captured: int, hidden: int, generations: int, steps: int, accepted: int,
-        cold: bool, records: list | None = None, floor: bool = False,
-        own: dict[str, int] | None = None) -> tuple[float, float, dict[str, list[int]]]:
+        cold: bool, records: list | None = None, floor: bool = False, own: dict[str, int] | None = None,
+        draftless: bool = False) -> tuple[float, float, dict[str, list[int]]]:
     """(thread CPU us per captured token around the calls, the hooks' own count of it, CPU ns of each call by kind).
     With `records` (a list), the records made are added to it instead of joined here. With `own` (a dict), the
     hooks' own count (`hook_cpu_ns`) of each kind of call is added to it, in ns.
 
     floor: the verify step's capture work left out (the assembler's `on_verify` and `on_verify_processed` do
     nothing), so its two calls cost what any design pays that runs a Python hook after each verify forward and
-    after its processing: the hooks' entry, checks and timer, cold. No record comes out whole then."""
+    after its processing: the hooks' entry, checks and timer, cold. No record comes out whole then.
+
+    draftless: a server without a draft instead, whose decode steps add one token a request (the forward hook's
+    `on_decode`), `steps` of them."""
     emitted: list = []
     hook = CaptureHook(CaptureSettings(collector_url="http://127.0.0.1:9"))
-    hook._spec, hook._draft_identity = CHAIN, "d" * 32
+    if not draftless:
+        hook._spec, hook._draft_identity = CHAIN, "d" * 32
     hook._assembler = CaptureAssembler(stats=hook.stats, emit=emitted.append, selector=hook.selector,
                                        copier=DeferredHostCopier(), served_draft=hook.served_draft)
     if floor:
@@ -134,6 +139,17 @@ def run(*, batch: int, captured: int, hidden: int, generations: int, steps: int,
             accept_index[i, : accepted + 1] = torch.arange(i * NUM_DRAFT_TOKENS, i * NUM_DRAFT_TOKENS + accepted + 1)
         decode = SimpleNamespace(forward_mode=Mode("DECODE"), reqs=reqs)
         for step in range(steps):
+            if draftless:  # a decode forward: one row a request, its outputs allocated anew too
+                outputs = SimpleNamespace(hidden_states=states((batch, 3 * hidden)),  # (B, K*H)
+                                          last_hidden_states=states((batch, hidden)))  # (B, H)
+                call("decode forward", hook, SimpleNamespace(logits_output=outputs), None, decode)
+                for req in reqs:  # the scheduler processes the step
+                    req.output_ids.append(2)
+                    if step == steps - 1:
+                        req.finished_reason = SimpleNamespace()
+                call("decode processed, finishing" if step == steps - 1 else "decode processed",
+                     hook.on_batch_processed, None, None, decode, SimpleNamespace())
+                continue
             # Each verify forward allocates its outputs anew on CPU (the copier keeps references to them).
             outputs = SimpleNamespace(hidden_states=states((batch * NUM_DRAFT_TOKENS, 3 * hidden)),
                                       last_hidden_states=states((batch * NUM_DRAFT_TOKENS, hidden)))
@@ -147,7 +163,7 @@ def run(*, batch: int, captured: int, hidden: int, generations: int, steps: int,
                     req.finished_reason = SimpleNamespace()
             call("verify processed, finishing" if step == steps - 1 else "verify processed", hook.on_batch_processed,
                  None, None, decode, SimpleNamespace(num_correct_drafts_per_req_cpu=[accepted] * batch))
-        tokens += captured * (PROMPT_LEN + steps * (accepted + 1))
+        tokens += captured * (PROMPT_LEN + steps * (1 if draftless else accepted + 1))
     if floor:
         assert not emitted, "with the verify steps' work left out no record can be whole"
     else:
@@ -214,14 +230,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--accepted", type=int, default=2, help="drafts each step accepts (tokens a step - 1)")
     parser.add_argument("--warm", action="store_true", help="leave the caches as the last call left them")
-    parser.add_argument("--records", action="store_true", help="time the sender's side of the records instead")
-    parser.add_argument("--floor", action="store_true",
-                        help="a verify step's two calls with its capture work and without (what any hook design pays)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--records", action="store_true", help="time the sender's side of the records instead")
+    mode.add_argument("--floor", action="store_true",
+                      help="a verify step's two calls with its capture work and without (what any hook design pays)")
+    mode.add_argument("--draftless", action="store_true",
+                      help="a server without a draft: decode steps of one token a request instead of verify steps")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    tokens = PROMPT_LEN + args.steps * (args.accepted + 1)
-    print(f"{args.batch} requests a batch, {PROMPT_LEN} prompt tokens and {args.steps} verify steps of "
-          f"{args.accepted + 1} tokens each ({tokens} captured tokens a request), {args.generations} generations, "
+    step_tokens = 1 if args.draftless else args.accepted + 1
+    tokens = PROMPT_LEN + args.steps * step_tokens
+    print(f"{args.batch} requests a batch, {PROMPT_LEN} prompt tokens and {args.steps} "
+          f"{'decode' if args.draftless else 'verify'} steps of {step_tokens} tokens each ({tokens} captured tokens "
+          f"a request), {args.generations} generations, "
           f"caches {'warm' if args.warm else 'cold'}; {'the sender' if args.records else 'scheduler'} thread CPU, "
           f"median (range) of {args.repeats} runs")
     if args.records:
@@ -248,7 +269,8 @@ def main() -> None:
     for hidden in (128, 7168):
         for captured in (args.batch, 1):
             runs = [run(batch=args.batch, captured=captured, hidden=hidden, generations=args.generations,
-                        steps=args.steps, accepted=args.accepted, cold=not args.warm) for _ in range(args.repeats)]
+                        steps=args.steps, accepted=args.accepted, cold=not args.warm, draftless=args.draftless)
+                    for _ in range(args.repeats)]
             around, own = [value for value, _, _ in runs], [value for _, value, _ in runs]
             per_kind: dict[str, list[int]] = {}
             for _, _, calls in runs:

@@ -60,8 +60,9 @@ What must hold:
   through the row copier);
   compression and I/O happen in the sender thread;
 - every host buffer a dropped capture holds is released (a leaked pinned slab would starve capture);
-- requests that are not captured cost one dict lookup each; a DECODE batch costs nothing while no
-  generate capture is running.
+- requests that are not captured cost one dict lookup each in an extend batch, and nothing in Python in a decode
+  or verify batch while few requests are captured (one look-up each past `_SCAN_MAX_CAPTURES`); a DECODE batch
+  costs nothing while no generate capture is running.
 """
 
 from __future__ import annotations
@@ -268,6 +269,24 @@ _RUN_MAX_STEPS = 64
 joined once, at its end."""
 _RUN_MAX_BYTES = 16 << 20
 """... and to 16 MiB of them (on CPU a step's block is the whole verify forward's outputs, kept by reference)."""
+_SCAN_MAX_CAPTURES = 48
+"""Up to this many running generate captures, a decode or verify step finds their requests in its batch by a scan
+each (`_Partial.req`, as its last extend batch held it, by `list.index`, in C: the batch's requests that are not
+captured cost nothing in Python); past it, by looking every request of the batch up in `_generating`. Cold, as after
+a forward, a scan costs ~10 ns per request of the batch it passes and a look-up ~0.5 us, so the scans are cheaper
+below about 50 captures whatever the batch's size. At 256 requests all captured the scans cost a verify step's
+hook ~0.4 ms, the look-ups ~0.2; at one captured request of 256 a decode step's look-ups cost ~45 us, its scan
+~20 in all (`scripts/bench_scheduler_hooks.py --batch 256`). Each step keeps its two loops whole: handing found
+requests from one loop to another cost the common cases 5-20%."""
+
+
+def _first_verify_step(partial: _Partial, req) -> bool:
+    """At a capture's first verify step: rows are added by verify steps from now on, so its prompt's must all be
+    held (False: a prompt chunk never came); notes SGLang's count of the request's verify steps before it."""
+    if partial.rows_end < len(req.origin_input_ids):
+        return False
+    partial.verify_ct_base = int(getattr(req, "spec_verify_ct", 0)) - len(partial.accepted)
+    return True
 
 # SGLang's finish reasons (schedule_batch.py), as the client's regenerate mode names them.
 _FINISH_REASONS = {"FINISH_MATCHED_TOKEN": "stop", "FINISH_MATCHED_STR": "stop", "FINISHED_MATCHED_REGEX": "stop",
@@ -470,16 +489,30 @@ class CaptureAssembler:
         now = time.monotonic()
         taken: list[_Partial] = []
         positions: list[int] = []
+        missing: list[str] = []  # a prompt chunk never came: this step's row would take the place of one of its rows
         generating = self._generating
-        for position, req in enumerate(reqs):
-            partial = generating.get(req.rid)
-            if partial is None:
-                continue
-            if partial.rows_end < len(req.origin_input_ids):  # a prompt chunk never came: this row would
-                self._abandon(req.rid, "missing_rows", now)  # take the place of one of its rows
-                continue
-            taken.append(partial)
-            positions.append(position)
+        if len(generating) > _SCAN_MAX_CAPTURES:  # many: every request of the batch looked up
+            for position, req in enumerate(reqs):
+                partial = generating.get(req.rid)
+                if partial is not None:
+                    if partial.rows_end < len(req.origin_input_ids):
+                        missing.append(req.rid)
+                    else:
+                        taken.append(partial)
+                        positions.append(position)
+        else:  # few: each capture's own request, by a scan
+            for rid, partial in generating.items():
+                try:
+                    position = reqs.index(partial.req)
+                except ValueError:  # not in this batch (its prefill is still running, or it was retracted)
+                    continue
+                if partial.rows_end < len(partial.req.origin_input_ids):
+                    missing.append(rid)
+                else:
+                    taken.append(partial)
+                    positions.append(position)
+        for rid in missing:
+            self._abandon(rid, "missing_rows", now)
         if taken:
             block = self._copier.gather_decode(aux, final, positions)
             if block is None:  # no host buffer free: drop these captures rather than wait
@@ -496,26 +529,33 @@ class CaptureAssembler:
                   num_draft_tokens: int) -> None:
         """Take the candidate rows of one verify forward (`speculative.py`): aux (bs * D, K*H), final (bs * D, H),
         accept_index (bs, num_steps + 1) the accepted tree path's rows, -1 past its end, D = num_draft_tokens.
-        One block for all captured requests (`RowCopier.gather_verify`); the requests are found from the
-        running generate captures (`_Partial.req`), so the requests not captured cost nothing in Python, and each
-        captured one's position in the batch is noted for `on_verify_processed`."""
+        One block for all captured requests (`RowCopier.gather_verify`); the captured requests are found in the
+        batch as `_SCAN_MAX_CAPTURES` says, and each one's position is noted for `on_verify_processed`."""
         now = time.monotonic()
         taken: list[_Partial] = []
         positions: list[int] = []
-        missing: list[str] = []
-        for rid, partial in self._generating.items():
-            req = partial.req
-            try:
-                position = reqs.index(req)
-            except ValueError:  # not in this batch (its prefill is still running, or it was retracted)
-                continue
-            if partial.verify_ct_base is None:  # its first verify step: rows are added by verify steps from now on
-                if partial.rows_end < len(req.origin_input_ids):  # a prompt chunk never came
-                    missing.append(rid)
+        missing: list[str] = []  # a prompt chunk never came (checked at a capture's first verify step)
+        generating = self._generating
+        if len(generating) > _SCAN_MAX_CAPTURES:  # many: every request of the batch looked up, as `on_decode` does
+            for position, req in enumerate(reqs):
+                partial = generating.get(req.rid)
+                if partial is not None:
+                    if partial.verify_ct_base is None and not _first_verify_step(partial, req):
+                        missing.append(req.rid)
+                    else:
+                        taken.append(partial)
+                        positions.append(position)
+        else:  # few: each capture's own request, by a scan
+            for rid, partial in generating.items():
+                try:
+                    position = reqs.index(partial.req)
+                except ValueError:  # not in this batch (its prefill is still running, or it was retracted)
                     continue
-                partial.verify_ct_base = int(getattr(req, "spec_verify_ct", 0)) - len(partial.accepted)
-            taken.append(partial)
-            positions.append(position)
+                if partial.verify_ct_base is None and not _first_verify_step(partial, partial.req):
+                    missing.append(rid)
+                else:
+                    taken.append(partial)
+                    positions.append(position)
         for rid in missing:
             self._abandon(rid, "missing_rows", now)
         if taken:

@@ -46,3 +46,15 @@ def test_its_floor_leaves_the_verify_steps_work_out_and_counts_each_kind_of_call
     bench.run(batch=4, captured=2, hidden=16, generations=2, steps=3, accepted=2, cold=False, own=with_work,
               records=records)
     assert len(records) == 4 and set(with_work) == set(calls)
+
+
+def test_its_draftless_decode_steps_make_whole_records() -> None:
+    bench = load_bench()
+    records: list = []
+    _, _, calls = bench.run(batch=4, captured=3, hidden=16, generations=2, steps=5, accepted=2, cold=False,
+                            records=records, draftless=True)
+    assert {kind: len(times) for kind, times in calls.items()} == {
+        "prefill forward": 2, "prefill processed": 2, "decode forward": 10, "decode processed": 8,
+        "decode processed, finishing": 2}
+    # each record: the prompt, the prefill's token and 5 decode steps' tokens, a state for every token but the last
+    assert [record.state_arrays()[0].shape for record in records] == [(bench.PROMPT_LEN + 1 + 5 - 1, 3 * 16)] * 6

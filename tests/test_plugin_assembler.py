@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from capture_format.tag import CaptureTag
+from sglang_patch import capture
 from sglang_patch.capture import CaptureAssembler, is_sampled
 from sglang_patch.selection import Selector, live_record_id
 from sglang_patch.stats import CaptureStats
@@ -207,7 +208,10 @@ def sample(asm, reqs, finish: set[str] = frozenset(), reason: str = "FINISH_LENG
     asm.on_finished(reqs)
 
 
-def test_a_generate_capture_has_prompt_and_decode_rows_and_no_state_for_its_last_token(assembler):
+@pytest.mark.parametrize("scan_max", [0, 100], ids=["a look-up per request", "a scan per capture"])
+def test_a_generate_capture_has_prompt_and_decode_rows_and_no_state_for_its_last_token(assembler, monkeypatch,
+                                                                                       scan_max):
+    monkeypatch.setattr(capture, "_SCAN_MAX_CAPTURES", scan_max)  # either way of finding them in a decode batch
     asm, emitted, stats = assembler
     a, b = GeneratingReq(1, 5), GeneratingReq(2, 3)
     asm.on_extend(*batch([(a, 1, 0, 5), (b, 2, 0, 3)]))

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from capture_format.tag import CaptureTag
+from sglang_patch import capture
 from sglang_patch.capture import CaptureAssembler
 from sglang_patch.speculative import (
     METADATA_KEY,
@@ -127,6 +128,29 @@ def test_verify_steps_keep_the_accepted_rows_in_order(assembler, tree):
     assert record_b.record_metadata()[METADATA_KEY]["accepted_per_step"] == "02"
     assert record_a.record_metadata()[METADATA_KEY]["accepted_at_position"] == [2, 1, 1]
     assert stats.snapshot()["dropped"] == {}
+
+
+@pytest.mark.parametrize("scan_max", [0, 100], ids=["a look-up per request", "a scan per capture"])
+def test_each_capture_takes_its_own_rows_whichever_way_its_request_is_found(monkeypatch, scan_max):
+    """A verify step finds its captured requests by a scan of the batch per capture (few captures) or by a look-up
+    per request of the batch (many: `capture._SCAN_MAX_CAPTURES`); either way each of eight captures, among
+    requests that are not captured, takes its own rows."""
+    monkeypatch.setattr(capture, "_SCAN_MAX_CAPTURES", scan_max)
+    emitted: list = []
+    asm = CaptureAssembler(stats=CaptureStats(), emit=emitted.append, served_draft=lambda: ("d" * 32, CHAIN))
+    captured = [SpecReq(number, 3 + number % 3) for number in range(1, 9)]
+    for req in captured:
+        asm.selector.on_request(SimpleNamespace(rid=req.rid, sampling_params=req.sampling_params, cache_salt=None,
+                                                input_embeds=None, mm_inputs=None))
+    reqs = [captured[0], SpecReq(20, 4), *captured[1:5], SpecReq(21, 4), *captured[5:]]  # 20, 21: not tagged here
+    prefill(asm, reqs)
+    for step in range(3):
+        verify(asm, reqs, [(number + step) % 4 for number in range(len(reqs))],
+               finish={req.rid for req in reqs} if step == 2 else set())
+    assert sorted(record.tag.record_id for record in emitted) == sorted(f"rec-{number}" for number in range(1, 9))
+    for record in emitted:
+        check_rows(record, int(record.tag.record_id.removeprefix("rec-")))
+        assert record.record_metadata()[METADATA_KEY]["verify_steps"] == 3
 
 
 def test_a_step_sglang_does_not_count_takes_no_rows(assembler):
