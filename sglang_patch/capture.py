@@ -274,10 +274,11 @@ _SCAN_MAX_CAPTURES = 48
 each (`_Partial.req`, as its last extend batch held it, by `list.index`, in C: the batch's requests that are not
 captured cost nothing in Python); past it, by looking every request of the batch up in `_generating`. Cold, as after
 a forward, a scan costs ~10 ns per request of the batch it passes and a look-up ~0.5 us, so the scans are cheaper
-below about 50 captures whatever the batch's size. At 256 requests all captured the scans cost a verify step's
-hook ~0.4 ms, the look-ups ~0.2; at one captured request of 256 a decode step's look-ups cost ~45 us, its scan
-~20 in all (`scripts/bench_scheduler_hooks.py --batch 256`). Each step keeps its two loops whole: handing found
-requests from one loop to another cost the common cases 5-20%."""
+below about 50 captures whatever the batch's size. At 256 requests (`scripts/bench_scheduler_hooks.py --batch 256
+[--draftless]`), all captured, a verify forward's hook took ~0.5 ms a step with the scans and ~0.15 with the
+look-ups; one captured, a decode forward's hook ~0.1 ms with the look-ups and ~0.03 with its scan. Each step keeps
+its two loops whole: handing the requests found from one loop to another cost batch 8 about 2 us a step, and 256
+decode requests all captured 10-25%."""
 
 
 def _first_verify_step(partial: _Partial, req) -> bool:
