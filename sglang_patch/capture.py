@@ -15,8 +15,9 @@ hands the copier one block of candidate rows for all the step's captured request
 path, `num_steps + 1` rows), and after the scheduler processed the step `on_verify_processed` notes, per
 request, how many of its rows the step accepted (a reference into the block, no copy, no tensor op); every
 `_RUN_MAX_STEPS` steps and at a part boundary the rows noted are joined into one block on the copy thread
-(`RowCopier.join`), so a record reaches the sender in a few blocks, not one per step; the rows noted since the
-last join go with the record unjoined, and the sender joins them (`CapturedSequence.run`). The counts go into
+(`RowCopier.join`), so a record reaches the sender in a few blocks, not one per step, and every capture's at once
+when the forward outputs they keep alive together reach `_RUN_MAX_BYTES` (`RowCopier.join_all`); the rows noted
+since the last join go with the record unjoined, and the sender joins them (`CapturedSequence.run`). The counts go into
 the record as `served_draft` metadata, made on the sender's thread too (`CapturedSequence.served`).
 
 A capture in "prefill" mode is emitted at the chunk that ends the prompt. One in "generate" mode
@@ -178,9 +179,9 @@ class CapturedSequence:
     verify step accepted, the tokens generated), made into the record's `served_draft` metadata off the
     scheduler's thread (`record_metadata`)."""
     run_held_nbytes: int = 0
-    """Bytes the pieces of `run` keep alive by reference (on CPU: the forward outputs they are pieces of, each
-    counted whole, as `_Partial.run_held_nbytes` counts them); 0 where they are copies (CUDA's pinned slabs,
-    which their pool bounds)."""
+    """Bytes the pieces of `run` keep alive by reference (on CPU: the forward outputs they are pieces of, each its
+    share of a step shared by several captures, `_KeptOutputs.share_nbytes`); 0 where they are copies (CUDA's
+    pinned slabs, which their pool bounds)."""
     _raw_nbytes: int | None = dataclasses.field(default=None, init=False, repr=False)
 
     def record_metadata(self) -> dict:
@@ -212,7 +213,8 @@ class CapturedSequence:
     def inflight_nbytes(self) -> int:
         """What the sender counts in flight for it (`inflight_max_bytes`): `raw_nbytes` and `run_held_nbytes`. A
         finishing capture's last steps, or a small prefill's rows, may keep many times their own bytes alive; a
-        forward shared by several captures is counted by each (at most `_RUN_MAX_BYTES` a capture)."""
+        forward shared by several captures is counted a share by each, so that records finishing together count
+        it about once (at most `_RUN_MAX_BYTES` of forwards in all)."""
         return self.raw_nbytes + self.run_held_nbytes
 
     def state_arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -267,8 +269,13 @@ _RUN_MAX_STEPS = 64
 """Decode or verify steps whose kept rows a capture notes before they are joined into one block
 (`RowCopier.join`): bounds the candidate rows it keeps alive to 64 steps' blocks, while a 48-token answer is
 joined once, at its end."""
-_RUN_MAX_BYTES = 16 << 20
-"""... and to 16 MiB of them (on CPU a step's block is the whole verify forward's outputs, kept by reference)."""
+_RUN_MAX_BYTES = 64 << 20
+"""The forward outputs that all running captures' unjoined rows keep alive, together (where the copier keeps
+references: on CPU a decode or verify step's block is the whole forward's outputs, shared by the step's captures):
+each step's counted once, and when they reach this every capture's rows are joined, in one hand-over to the copy
+thread (`RowCopier.join_all`). Counted per capture instead (16 MiB each, before), a step of 32 captured requests at
+hidden 7168 (7.3 MB of outputs) had every capture join every third step, each its own hand-over: ~190 us of the
+scheduler's thread a step (`scripts/bench_scheduler_hooks.py --batch 32 --hidden 7168`)."""
 _SCAN_MAX_CAPTURES = 48
 """Up to this many running generate captures, a decode or verify step finds their requests in its batch by a scan
 each (`_Partial.req`, as its last extend batch held it, by `list.index`, in C: the batch's requests that are not
@@ -308,7 +315,7 @@ class _Partial:
     run: list[RowPiece] = dataclasses.field(default_factory=list)
     """The rows kept of decode or verify steps, oldest first, not yet joined into a chunk: they follow the chunks."""
     run_held_nbytes: int = 0
-    """Host bytes the blocks of `run` keep alive (counted once per step)."""
+    """This capture's share of the host bytes the blocks of `run` keep alive (`_KeptOutputs.share_nbytes`)."""
     run_cut_rows: int = 0
     """Held rows from which a part may be due (`_part_rows` + 2), set at the first verify step kept."""
     req: object = None
@@ -363,13 +370,14 @@ class _Partial:
         """Notes rows [start, end) of a decode or verify step's block as this capture's next rows; the hold on the
         block's lease moves to `run`."""
         self.run.append((block, start, end))
-        self.run_held_nbytes += block.held_nbytes
+        self.run_held_nbytes += block.share_nbytes
         self.num_rows += end - start
 
     @property
     def run_full(self) -> bool:
-        """The rows noted are due to be joined: `_RUN_MAX_STEPS` pieces or `_RUN_MAX_BYTES` of outputs kept alive."""
-        return len(self.run) >= _RUN_MAX_STEPS or self.run_held_nbytes >= _RUN_MAX_BYTES
+        """The rows noted are due to be joined: `_RUN_MAX_STEPS` pieces (the bytes they keep alive are bounded for
+        all captures together, `CaptureAssembler._join_runs_if_due`)."""
+        return len(self.run) >= _RUN_MAX_STEPS
 
     def drop_pending(self) -> None:
         """Gives up the verify steps not processed yet (their holds on their blocks)."""
@@ -406,6 +414,9 @@ class CaptureAssembler:
         self._partials: dict[str, _Partial] = {}
         self._generating: dict[str, _Partial] = {}
         """The partials in generate mode: decode batches are looked at only while there is one."""
+        self._kept_nbytes = 0
+        """Bytes of the forward outputs noted into captures' runs since every run was last joined (each forward
+        counted once, where the copier keeps references): bounded by `_RUN_MAX_BYTES`."""
         self._last_sweep = time.monotonic()
 
     @property
@@ -520,10 +531,12 @@ class CaptureAssembler:
                 for position in positions:
                     self._abandon(reqs[position].rid, "host_buffers_full", now)
             else:
+                self._share_out(block, len(taken))
                 for slot, (partial, position) in enumerate(zip(taken, positions)):
                     partial.note_rows(block, slot, slot + 1)
                     partial.updated_at = now
                     self._join_if_due(reqs[position], partial, now)
+                self._join_runs_if_due()
         self._maybe_sweep(now)
 
     def on_verify(self, reqs: list, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor,
@@ -565,6 +578,7 @@ class CaptureAssembler:
                 for position in positions:
                     self._abandon(reqs[position].rid, "host_buffers_full", now)
             else:
+                self._share_out(block, len(taken))
                 width, start = accept_index.shape[1], 0
                 for partial, position in zip(taken, positions):
                     partial.pending.append((block, start, position))
@@ -600,20 +614,44 @@ class CaptureAssembler:
             # `_Partial.note_rows` and `run_full`, written out: this runs per captured request and step
             run = partial.run
             run.append((block, start, start + count))
-            partial.run_held_nbytes += block.held_nbytes
+            partial.run_held_nbytes += block.share_nbytes
             partial.num_rows += count
             accepted.append(count - 1)
             if (not req.finished() and partial.chunks_start + partial.num_rows
                     != len(req.origin_input_ids) + len(req.output_ids) - 1):
                 self._abandon(rid, "misaligned", now)
                 continue
-            if (len(run) >= _RUN_MAX_STEPS or partial.run_held_nbytes >= _RUN_MAX_BYTES
-                    or partial.num_rows >= partial.run_cut_rows):
+            if len(run) >= _RUN_MAX_STEPS or partial.num_rows >= partial.run_cut_rows:
                 self._join_if_due(req, partial, now)
+        self._join_runs_if_due()
+
+    def _share_out(self, block: HostRows | VerifyRows | ForwardRows, num_holders: int) -> None:
+        """A forward's block that num_holders captures note rows of: where the copier keeps references, it counts
+        once towards `_RUN_MAX_BYTES` and each holder counts its share of it (`_KeptOutputs.share_nbytes`)."""
+        if self._copier.keeps_references:
+            self._kept_nbytes += block.held_nbytes
+            block.share_nbytes = -(-block.held_nbytes // num_holders)
+
+    def _join_runs_if_due(self) -> None:
+        """Once the forward outputs noted since the last time reach `_RUN_MAX_BYTES`, joins every capture's rows
+        noted, in one hand-over to the copy thread (`RowCopier.join_all`): the forwards they kept alive go."""
+        if self._kept_nbytes < _RUN_MAX_BYTES:
+            return
+        self._kept_nbytes = 0
+        partials = [partial for partial in self._partials.values() if partial.run]
+        if not partials:
+            return
+        for partial, chunk in zip(partials, self._copier.join_all([partial.run for partial in partials])):
+            if partial.num_rows > self._most_rows_held:
+                self._most_rows_held = partial.num_rows
+                self._stats.set("most_rows_held", partial.num_rows)
+            partial.chunks.append(chunk)
+            partial.run, partial.run_held_nbytes = [], 0
+        self._stats.add_many(("runs_joined_together", 1), ("runs_joined", len(partials)))
 
     def _join_if_due(self, req, partial: _Partial, now: float) -> None:
-        """Joins the rows noted once they are `_RUN_MAX_STEPS` steps, `_RUN_MAX_BYTES` of outputs kept alive, or
-        past a part's rows (then hands the part to the sender)."""
+        """Joins the rows noted once they are `_RUN_MAX_STEPS` steps or past a part's rows (then hands the part to
+        the sender)."""
         if not partial.run_cut_rows:
             partial.run_cut_rows = self._part_rows(partial) + 2
         if partial.run_full or partial.num_rows >= partial.run_cut_rows:
@@ -751,11 +789,13 @@ class CaptureAssembler:
             for req, _ in taken:
                 self._abandon(req.rid, "host_buffers_full", now)
             return
+        if block is not None:
+            self._share_out(block, len(taken))
         for index, (req, partial) in enumerate(taken):
             if block is not None:  # after the rows it holds, a retracted request's steps' included
                 partial.note_rows(block, *ranges[index])
                 if partial.run_full:
-                    self._flush_run(partial)  # a prompt in many small chunks keeps no more alive than steps do
+                    self._flush_run(partial)
             else:
                 if partial.run:  # a retracted request's new prefill: its rows follow those its steps kept
                     self._flush_run(partial)
@@ -768,6 +808,8 @@ class CaptureAssembler:
             if prefill and partial.tag.mode == "prefill" and partial.rows_end == len(req.full_untruncated_fill_ids):
                 self._remove(req.rid)
                 self._finish_prefill(req, partial)
+        if block is not None:  # a prompt in many small chunks keeps no more alive than steps do
+            self._join_runs_if_due()
 
     def _finish_prefill(self, req, partial: _Partial) -> None:
         # Rejected (e.g. too long): its ids were replaced by a placeholder.

@@ -49,6 +49,7 @@ What must hold:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import queue
 import threading
@@ -146,6 +147,9 @@ class HostRows:
 
     held_nbytes = nbytes
     """Host bytes these rows keep alive (a `VerifyRows` keeps a whole forward's outputs)."""
+    share_nbytes = 0
+    """What one capture noting rows of it counts as kept alive (`_KeptOutputs.share_nbytes`): nothing, these rows are
+    a copy, not a forward's outputs (pinned slabs are bounded by their pool)."""
 
     @property
     def row_nbytes(self) -> int:
@@ -190,6 +194,11 @@ class _KeptOutputs:
     lease = None
     aux: torch.Tensor
     final: torch.Tensor
+    held_nbytes: int
+    """Bytes these references keep alive: the whole of the forward's output tensors."""
+    share_nbytes: int
+    """What each capture noting rows of it counts of `held_nbytes` (`capture.CapturedSequence.run_held_nbytes`): the
+    forward's outputs shared out among the captures of the step (set by the hook; the whole until then)."""
 
     @property
     def row_nbytes(self) -> int:
@@ -205,7 +214,8 @@ class VerifyRows(_KeptOutputs):
     accept_index.shape[1], read off the scheduler's thread only (`arrays`: by `RowCopier.join` on the copy thread,
     `CapturedSequence.state_arrays` on the sender's)."""
 
-    __slots__ = ("aux", "final", "accept_index", "positions", "num_draft_tokens", "width", "held_nbytes", "_arrays")
+    __slots__ = ("aux", "final", "accept_index", "positions", "num_draft_tokens", "width", "held_nbytes",
+                 "share_nbytes", "_arrays")
 
     def __init__(self, aux: torch.Tensor, final: torch.Tensor, accept_index: torch.Tensor | None, positions: list[int],
                  num_draft_tokens: int) -> None:
@@ -215,7 +225,7 @@ class VerifyRows(_KeptOutputs):
         self.positions = positions
         self.num_draft_tokens = num_draft_tokens
         self.width = 1 if accept_index is None else accept_index.shape[1]
-        self.held_nbytes = aux.nbytes + final.nbytes
+        self.held_nbytes = self.share_nbytes = aux.nbytes + final.nbytes
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
 
     def arrays(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
@@ -242,13 +252,12 @@ class ForwardRows(_KeptOutputs):
     request's rows are a piece of it, [start, end) of the forward's rows, read off the scheduler's thread only
     (`arrays`: by `RowCopier.join` on the copy thread, `CapturedSequence.state_arrays` on the sender's)."""
 
-    __slots__ = ("aux", "final", "held_nbytes", "_arrays")
+    __slots__ = ("aux", "final", "held_nbytes", "share_nbytes", "_arrays")
 
     def __init__(self, aux: torch.Tensor, final: torch.Tensor, held_nbytes: int) -> None:
         self.aux = aux  # (rows, K*H), the forward's own
         self.final = final  # (rows, H)
-        self.held_nbytes = held_nbytes
-        """Bytes these references keep alive: the whole of the forward's output tensors."""
+        self.held_nbytes = self.share_nbytes = held_nbytes
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None
 
     def arrays(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
@@ -309,14 +318,20 @@ class CopyJobs:
 
     def submit(self, job: Callable[[], None]) -> Callable[[], None]:
         """Queues job; returns what waits until it ran (raising CopyFailed if it failed). Never blocks."""
-        done = _Done()
-        self._queue.put((job, done))
+        return self.submit_all([job])[0]
+
+    def submit_all(self, jobs: list[Callable[[], None]]) -> list[Callable[[], None]]:
+        """Queues jobs as one hand-over (one wake of the thread, which runs them in order); returns what waits
+        for each (a job that fails fails only its own waiter). Never blocks."""
+        queued = [[job, _Done()] for job in jobs]
+        waits = [done.wait for _, done in queued]
+        self._queue.put(queued)
         if self._thread is None:
             with self._lock:
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                     self._thread.start()
-        return done.wait
+        return waits
 
     def _run(self) -> None:
         if self._nice > 0 and hasattr(os, "setpriority"):
@@ -326,23 +341,27 @@ class CopyJobs:
             except OSError:
                 pass  # copies then compete with the forward as the scheduler's own would
         while True:
-            job, done = self._queue.get()
-            started_ns = time.thread_time_ns()
-            try:
-                job()
-            except BaseException as error:  # counted where the rows are read (`CopyFailed`), never raised here
-                done.error = error
-            # The job's references to the forward's tensors go now, not at the next job, and before its waiter
-            # learns it ran: a tensor freed on this daemon thread while the interpreter shuts down (the waiter
-            # was the last thing the main thread did) takes the GIL in its deleter and aborts the process.
-            del job
-            if self._count_cpu is not None:
+            queued = self._queue.get()
+            for entry in queued:
+                job, done = entry
+                entry.clear()
+                started_ns = time.thread_time_ns()
                 try:
-                    self._count_cpu(time.thread_time_ns() - started_ns)
-                except Exception:  # a count never keeps the waiter waiting
-                    pass
-            done.set()
-            del done
+                    job()
+                except BaseException as error:  # counted where the rows are read (`CopyFailed`), never raised here
+                    done.error = error
+                # The job's references to the forward's tensors go now, not at the next job, and before its waiter
+                # learns it ran: a tensor freed on this daemon thread while the interpreter shuts down (the waiter
+                # was the last thing the main thread did) takes the GIL in its deleter and aborts the process.
+                del job
+                if self._count_cpu is not None:
+                    try:
+                        self._count_cpu(time.thread_time_ns() - started_ns)
+                    except Exception:  # a count never keeps the waiter waiting
+                        pass
+                done.set()
+                del done
+            del queued
 
 
 _SAME_WIDTH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -429,12 +448,15 @@ class RowCopier:
     def join(self, pieces: Sequence[RowPiece]) -> HostRows:
         """One HostRows of the pieces' rows, in order, copied on the copy thread (which first waits for each
         piece's own copy); each piece's hold on its lease is given up once its rows are copied."""
-        aux, final = _empty_rows(pieces)
+        return self.join_all([pieces])[0]
 
-        def job() -> None:
-            _copy_pieces(pieces, aux, final)
-
-        return HostRows(aux=aux, final=final, ready=self.jobs.submit(job))
+    def join_all(self, runs: Sequence[Sequence[RowPiece]]) -> list[HostRows]:
+        """`join` of each run of pieces (several captures' rows), handed to the copy thread at once: the scheduler's
+        thread pays one hand-over and one wake for all of them, the allocations of each."""
+        outputs = [_empty_rows(pieces) for pieces in runs]
+        waits = self.jobs.submit_all([functools.partial(_copy_pieces, pieces, aux, final)
+                                      for pieces, (aux, final) in zip(runs, outputs)])
+        return [HostRows(aux=aux, final=final, ready=ready) for (aux, final), ready in zip(outputs, waits)]
 
 
 def _empty_rows(pieces: Sequence[RowPiece]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -511,15 +533,17 @@ class DeferredHostCopier(RowCopier):
     pieces of them joined as a step's are. A decode or verify forward's rows are not copied at all until a
     capture's kept rows are joined
     (`gather_decode` and `gather_verify` return references, `VerifyRows`): the scheduler's thread runs no tensor
-    operation for a decode or verify step. A capture joins its rows at least every 64 steps and 16 MiB of outputs
-    kept alive (`capture._RUN_MAX_STEPS`, `_RUN_MAX_BYTES`)."""
+    operation for a decode or verify step. A capture joins its rows at least every 64 steps, and all captures join
+    theirs at once when the outputs they keep alive together reach 64 MiB (`capture._RUN_MAX_STEPS`,
+    `_RUN_MAX_BYTES`)."""
 
     keep_max_bytes = 4 << 20
     """An extend forward's outputs up to this size are kept by reference (`keep_rows`) rather than their
     captured rows copied: on the scheduler's thread, cold after the forward, the copy's two allocations, its
     hand-over to the copy thread and the HostRows cut from it cost ~100 us whatever the bytes; a reference costs
-    a few. Bounded so that a few captured rows never keep a large forward alive (a capture joins its pieces once
-    they keep `capture._RUN_MAX_BYTES` alive; the sender counts what they keep alive in flight)."""
+    a few. Bounded so that a few captured rows never keep a large forward alive (the captures join their pieces
+    once the forwards they keep alive reach `capture._RUN_MAX_BYTES`; the sender counts what they keep alive in
+    flight)."""
 
     keeps_references = True
 

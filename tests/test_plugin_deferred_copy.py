@@ -87,6 +87,23 @@ def test_a_failed_copy_is_raised_where_its_rows_are_read_and_the_thread_goes_on(
     assert issubclass(CopyFailed, ValueError)  # the sender drops and counts a capture whose rows it cannot read
 
 
+def test_jobs_handed_over_together_run_in_order_and_fail_apart() -> None:
+    """`CopyJobs.submit_all`: one hand-over of several jobs (several captures' joins); each has its own waiter, and a
+    job that fails fails only its own."""
+    jobs, ran = CopyJobs(), []
+
+    def broken() -> None:
+        ran.append("broken")
+        raise RuntimeError("bad rows")
+
+    waits = jobs.submit_all([lambda: ran.append(1), broken, lambda: ran.append(3)])
+    waits[2]()
+    assert ran == [1, "broken", 3]
+    waits[0]()
+    with pytest.raises(CopyFailed, match="bad rows"):
+        waits[1]()
+
+
 def test_a_job_and_what_it_holds_are_freed_before_its_waiter_is_released() -> None:
     """A forward's tensor freed on the daemon copy thread while the interpreter shuts down takes the GIL in its
     deleter and aborts the process ("terminate called without an active exception"): a process whose last act
@@ -220,7 +237,7 @@ def test_a_small_prefill_forwards_rows_are_kept_by_reference_and_a_large_ones_co
     for partial in asm._partials.values():
         if small:
             assert partial.chunks == [] and len(partial.run) == 1 and isinstance(partial.run[0][0], ForwardRows)
-            assert partial.run_held_nbytes == 10 * 64
+            assert partial.run_held_nbytes == 10 * 64 // 2  # the forward's outputs, shared by the two captures
         else:
             assert len(partial.chunks) == 1 and partial.run == []
     # the prefill's only tensor ops are the test's own (the prompt rows it makes: `positions_rows`, `torch.cat`),
@@ -313,8 +330,8 @@ def test_the_copy_threads_cpu_is_counted_per_job() -> None:
 
 def test_the_sender_counts_the_forwards_a_records_unjoined_rows_keep_alive(tmp_path) -> None:
     """A finished capture's unjoined pieces keep their forwards' outputs alive: the sender's in-flight bound counts
-    them (`CapturedSequence.inflight_nbytes`), so a record that fits by its own bytes alone can still be dropped
-    for the memory it holds."""
+    its share of them (`CapturedSequence.inflight_nbytes`), so a record that fits by its own bytes alone can still be
+    dropped for the memory it holds."""
     from sglang_patch.sender import ModelIdentity, Sender
     from sglang_patch.settings import CaptureSettings
     from sglang_patch.spool import Spool
@@ -327,7 +344,8 @@ def test_the_sender_counts_the_forwards_a_records_unjoined_rows_keep_alive(tmp_p
     record = next(captured for captured in emitted if captured.tag.record_id == "rec-1")
     assert record.chunks == [] and len(record.run) == 2
     assert record.raw_nbytes == 4 * len(record.token_ids) + (5 + 3) * 64
-    assert record.inflight_nbytes == record.raw_nbytes + 10 * 64 + 12 * 64  # each forward whole
+    # each forward's outputs, shared by the two captures that noted rows of it: the two records count them once
+    assert record.inflight_nbytes == record.raw_nbytes + (10 * 64 + 12 * 64) // 2
 
     config = CaptureSettings(collector_url="http://127.0.0.1:9", spool_dir=tmp_path / "spool",
                              inflight_max_bytes=record.inflight_nbytes - 1)
@@ -373,6 +391,43 @@ def test_a_prompt_prefilled_in_many_small_forwards_keeps_no_more_of_them_alive_t
     assert held == [(0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)]
     assert len(emitted) == 1 and len(emitted[0].chunks) == 2 and len(emitted[0].run) == 2
     check_rows(emitted[0], 1)
+
+
+def test_captures_sharing_steps_count_a_share_of_them_and_join_together_at_the_bound(monkeypatch) -> None:
+    """Three of four requests captured: each step's outputs are kept alive by the three captures' rows together, so
+    each counts a third of them (what the sender counts in flight), and they count once towards `_RUN_MAX_BYTES`:
+    when the outputs noted since the last join reach it, every capture's rows are joined, in one hand-over to the
+    copy thread (before, each capture counted every step whole against a bound of its own, and at Kimi's width
+    all of them joined every third step, each its own hand-over)."""
+    import sglang_patch.capture as capture_module
+
+    row_nbytes = (NUM_LAYERS * HIDDEN + HIDDEN) * 4
+    reqs = [SpecReq(1, 5), SpecReq(4, 2), SpecReq(2, 3), SpecReq(3, 4)]  # rid-4 is not captured
+    prefill_nbytes, step_nbytes = 14 * row_nbytes, 4 * 4 * row_nbytes  # the prompts' forward, a verify step's
+    monkeypatch.setattr(capture_module, "_RUN_MAX_BYTES", prefill_nbytes + 3 * step_nbytes)
+    emitted: list = []
+    asm = deferred_assembler(emitted)
+    handed_over: list[int] = []
+    submit_all = asm._copier.jobs.submit_all
+    monkeypatch.setattr(asm._copier.jobs, "submit_all", lambda jobs: handed_over.append(len(jobs)) or submit_all(jobs))
+    prefill(asm, reqs)
+    held = []
+    for step in range(5):
+        verify(asm, reqs, [(step + i) % 4 for i in range(4)], finish={"rid-1", "rid-2", "rid-3", "rid-4"} if step == 4
+               else set())
+        held.append([(len(partial.chunks), len(partial.run), partial.run_held_nbytes)
+                     for partial in asm._partials.values()])
+    share = -(-prefill_nbytes // 3) + -(-step_nbytes // 3)  # the prompts' forward and the first step, a third each
+    assert held[0] == [(0, 2, share)] * 3
+    assert held[1] == [(0, 3, share + -(-step_nbytes // 3))] * 3
+    assert held[2] == [(1, 0, 0)] * 3  # the third step reached the bound: all joined, in one hand-over
+    assert held[3] == [(1, 1, -(-step_nbytes // 3))] * 3
+    assert handed_over == [3]
+    assert asm._stats.snapshot()["runs_joined_together"] == 1 and asm._stats.snapshot()["runs_joined"] == 3
+    assert sorted(captured.tag.record_id for captured in emitted) == ["rec-1", "rec-2", "rec-3"]
+    for captured in emitted:
+        assert len(captured.chunks) == 1 and len(captured.run) == 2  # the last two steps' rows, unjoined
+        check_rows(captured, int(captured.tag.record_id[-1]))
 
 
 def test_a_prefill_captures_one_piece_reaches_the_sender_as_a_view_of_the_forward() -> None:
