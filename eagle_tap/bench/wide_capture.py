@@ -42,7 +42,7 @@ from typing import Any
 
 from eagle_tap.bench.capture import prompts as source_prompts
 from eagle_tap.bench.capture import main_thread_cpu_s, start_all, threads_cpu_s, tree_cpu_s
-from eagle_tap.bench.live import answer_all, collector_cpu_storing, warm_up
+from eagle_tap.bench.live import answer_all, collector_cpu_storing, frames_out, warm_up
 from eagle_tap.testbed.collector_process import CollectorProcess
 from eagle_tap.testbed.tiny_model import TINY_MODEL_DIR
 
@@ -289,6 +289,7 @@ def serve_mode(config: Config, mode: str, targets: dict[int, Path], work: Path) 
     with mode_servers(config, mode, targets, work) as (servers, capturing):
         stats_before = warm_up(servers, capturing, prompts[: config.num_requests], config.max_new_tokens,
                                config.concurrency, work, rid_prefix=mode)
+        frames_due = {name: frames_out(stats) for name, stats in stats_before.items()}  # one frame a record
         for number in range(config.rounds):
             batch = prompts[(number + 1) * config.num_requests : (number + 2) * config.num_requests]
             row: dict[str, Any] = {}
@@ -299,10 +300,13 @@ def serve_mode(config: Config, mode: str, targets: dict[int, Path], work: Path) 
                 answers, answered = answer_all(server, batch, config.max_new_tokens, rids, config.concurrency)
                 row[f"{name}_tokens_s"] = sum(len(answer["output_ids"]) for answer in answers) / \
                     (time.perf_counter() - started)
-                if name in capturing:
+                if name in capturing:  # the plugin's stats say when its frames went out: the collector is not asked
                     rate, collector = capturing[name]
+                    sampled = [f"live-{rid}" for rid in answered if is_sampled(rid, rate)]
+                    frames_due[name] += len(sampled)
                     row[f"{name}_collector_cpu_s"] = collector_cpu_storing(
-                        collector, [f"live-{rid}" for rid in answered if is_sampled(rid, rate)], collector_cpu)
+                        collector, sampled, collector_cpu,
+                        plugin_stats=(work / f"spool-{name}" / "dp0" / "stats.json", frames_due[name]))
             rows.append(row)
         for name in capturing:
             stats_after[name] = read_stats_file(work / f"spool-{name}" / "dp0" / "stats.json", newer_than=time.time())
