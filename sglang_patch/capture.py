@@ -274,8 +274,9 @@ _RUN_MAX_BYTES = 64 << 20
 references: on CPU a decode or verify step's block is the whole forward's outputs, shared by the step's captures):
 each step's counted once, and when they reach this every capture's rows are joined, in one hand-over to the copy
 thread (`RowCopier.join_all`). Counted per capture instead (16 MiB each, before), a step of 32 captured requests at
-hidden 7168 (7.3 MB of outputs) had every capture join every third step, each its own hand-over: ~190 us of the
-scheduler's thread a step (`scripts/bench_scheduler_hooks.py --batch 32 --hidden 7168`)."""
+hidden 7168 (7.3 MB of outputs) had every capture join every third step, each its own hand-over: 3.3-3.4 us of the
+scheduler's thread per captured token against 1.9-2.0 now (`scripts/bench_scheduler_hooks.py --batch 32`, its
+hidden-7168 rows). What the unjoined rows keep alive is then at most this and a step's outputs, in all."""
 _SCAN_MAX_CAPTURES = 48
 """Up to this many running generate captures, a decode or verify step finds their requests in its batch by a scan
 each (`_Partial.req`, as its last extend batch held it, by `list.index`, in C: the batch's requests that are not
