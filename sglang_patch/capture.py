@@ -15,8 +15,8 @@ hands the copier one block of candidate rows for all the step's captured request
 path, `num_steps + 1` rows), and after the scheduler processed the step `on_verify_processed` notes, per
 request, how many of its rows the step accepted (a reference into the block, no copy, no tensor op); every
 `_RUN_MAX_STEPS` steps and at a part boundary the rows noted are joined into one block on the copy thread
-(`RowCopier.join`), so a record reaches the sender in a few blocks, not one per step, and every capture's at once
-when the forward outputs they keep alive together reach `_RUN_MAX_BYTES` (`RowCopier.join_all`); the rows noted
+(`RowCopier.join_all`), so a record reaches the sender in a few blocks, not one per step, and every capture's at
+once when the forward outputs they keep alive together reach `_RUN_MAX_BYTES`; the rows noted
 since the last join go with the record unjoined, and the sender joins them (`CapturedSequence.run`). The counts go into
 the record as `served_draft` metadata, made on the sender's thread too (`CapturedSequence.served`).
 
@@ -71,7 +71,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -267,7 +267,7 @@ class CapturedSequence:
 
 _RUN_MAX_STEPS = 64
 """Decode or verify steps whose kept rows a capture notes before they are joined into one block
-(`RowCopier.join`): bounds the candidate rows it keeps alive to 64 steps' blocks, while a 48-token answer is
+(`RowCopier.join_all`): bounds the candidate rows it keeps alive to 64 steps' blocks, while a 48-token answer is
 joined once, at its end."""
 _RUN_MAX_BYTES = 64 << 20
 """The forward outputs that all running captures' unjoined rows keep alive, together (where the copier keeps
@@ -640,15 +640,9 @@ class CaptureAssembler:
             return
         self._kept_nbytes = 0
         partials = [partial for partial in self._partials.values() if partial.run]
-        if not partials:
-            return
-        for partial, chunk in zip(partials, self._copier.join_all([partial.run for partial in partials])):
-            if partial.num_rows > self._most_rows_held:
-                self._most_rows_held = partial.num_rows
-                self._stats.set("most_rows_held", partial.num_rows)
-            partial.chunks.append(chunk)
-            partial.run, partial.run_held_nbytes = [], 0
-        self._stats.add_many(("runs_joined_together", 1), ("runs_joined", len(partials)))
+        if partials:
+            self._flush_runs(partials)
+            self._stats.add_many(("runs_joined_together", 1), ("runs_joined", len(partials)))
 
     def _join_if_due(self, req, partial: _Partial, now: float) -> None:
         """Joins the rows noted once they are `_RUN_MAX_STEPS` steps or past a part's rows (then hands the part to
@@ -660,14 +654,24 @@ class CaptureAssembler:
             self._cut_parts(req, partial, now)
 
     def _flush_run(self, partial: _Partial) -> None:
-        """Joins the verify rows noted into one chunk (the copy runs on the copy thread). Rows held only grow
-        between joins, so the gauge `_cut_parts` keeps is exact when kept here (not at every verify step)."""
-        if partial.num_rows > self._most_rows_held:
-            self._most_rows_held = partial.num_rows
-            self._stats.set("most_rows_held", partial.num_rows)
-        if partial.run:
-            partial.chunks.append(self._copier.join(partial.run))
-            partial.run, partial.run_held_nbytes = [], 0
+        """Joins one capture's rows noted into one chunk (`_flush_runs`)."""
+        self._flush_runs((partial,))
+
+    def _flush_runs(self, partials: Sequence[_Partial]) -> None:
+        """Joins each capture's rows noted into one chunk, the copies handed to the copy thread at once
+        (`RowCopier.join_all`). Rows held only grow between joins, so the gauge `_cut_parts` keeps is exact when kept
+        here (not at every verify step)."""
+        joined = []
+        for partial in partials:
+            if partial.num_rows > self._most_rows_held:
+                self._most_rows_held = partial.num_rows
+                self._stats.set("most_rows_held", partial.num_rows)
+            if partial.run:
+                joined.append(partial)
+        if joined:
+            for partial, chunk in zip(joined, self._copier.join_all([partial.run for partial in joined])):
+                partial.chunks.append(chunk)
+                partial.run, partial.run_held_nbytes = [], 0
 
     def on_processed(self, reqs: list, num_correct_drafts: list[int] | None) -> None:
         """After the scheduler processed a batch while a generate capture runs: a verify step's accepted rows

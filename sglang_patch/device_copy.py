@@ -211,7 +211,7 @@ class _KeptOutputs:
 class VerifyRows(_KeptOutputs):
     """A verify forward's candidate rows of the captured requests at `positions` (batch order), kept as references
     to the forward's outputs (on CPU: `DeferredHostCopier`): request i's W rows are [i * W, (i + 1) * W), W =
-    accept_index.shape[1], read off the scheduler's thread only (`arrays`: by `RowCopier.join` on the copy thread,
+    accept_index.shape[1], read off the scheduler's thread only (`arrays`: by `RowCopier.join_all` on the copy thread,
     `CapturedSequence.state_arrays` on the sender's)."""
 
     __slots__ = ("aux", "final", "accept_index", "positions", "num_draft_tokens", "width", "held_nbytes",
@@ -250,7 +250,7 @@ class VerifyRows(_KeptOutputs):
 class ForwardRows(_KeptOutputs):
     """An extend forward's outputs kept by reference (on CPU: `DeferredHostCopier.keep_rows`): each captured
     request's rows are a piece of it, [start, end) of the forward's rows, read off the scheduler's thread only
-    (`arrays`: by `RowCopier.join` on the copy thread, `CapturedSequence.state_arrays` on the sender's)."""
+    (`arrays`: by `RowCopier.join_all` on the copy thread, `CapturedSequence.state_arrays` on the sender's)."""
 
     __slots__ = ("aux", "final", "held_nbytes", "share_nbytes", "_arrays")
 
@@ -445,14 +445,11 @@ class RowCopier:
                 block.lease.add_holder()
         return block
 
-    def join(self, pieces: Sequence[RowPiece]) -> HostRows:
-        """One HostRows of the pieces' rows, in order, copied on the copy thread (which first waits for each
-        piece's own copy); each piece's hold on its lease is given up once its rows are copied."""
-        return self.join_all([pieces])[0]
-
     def join_all(self, runs: Sequence[Sequence[RowPiece]]) -> list[HostRows]:
-        """`join` of each run of pieces (several captures' rows), handed to the copy thread at once: the scheduler's
-        thread pays one hand-over and one wake for all of them, the allocations of each."""
+        """For each run of pieces (a capture's rows), one HostRows of its rows, in order, copied on the copy thread
+        (which first waits for each piece's own copy); each piece's hold on its lease is given up once its rows are
+        copied. The runs are handed to the copy thread at once: the scheduler's thread pays one hand-over and one
+        wake for all of them, the allocations of each."""
         outputs = [_empty_rows(pieces) for pieces in runs]
         waits = self.jobs.submit_all([functools.partial(_copy_pieces, pieces, aux, final)
                                       for pieces, (aux, final) in zip(runs, outputs)])

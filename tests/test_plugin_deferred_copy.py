@@ -129,7 +129,7 @@ def test_joined_pieces_keep_their_order_and_give_their_slabs_back() -> None:
     first = copier.copy(aux, final, [(0, 6)])[0]
     second = copier.copy(aux, final, [(6, 12)])[0]
     first.lease.add_holder()  # two requests' rows in the first block
-    joined = copier.join([(first, 4, 6), (second, 0, 3), (first, 0, 2)])
+    [joined] = copier.join_all([[(first, 4, 6), (second, 0, 3), (first, 0, 2)]])
     joined.wait()
     assert torch.equal(joined.aux, torch.cat([aux[4:6], aux[6:9], aux[0:2]]))
     assert torch.equal(joined.final, torch.cat([final[4:6], final[6:9], final[0:2]]))
