@@ -57,6 +57,16 @@ def _parallel_rank(name: str) -> int:
         return 0
 
 
+def _parallel_width(name: str) -> int:
+    """A parallel group's width (e.g. `attn_tp_size`); 1 where SGLang does not publish it, as `_parallel_rank`."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(getattr(get_parallel(), name))
+    except Exception:
+        return 1
+
+
 def _has_graph_runner(worker: Any) -> bool:
     """Whether the worker's model runner replays graphs (on CPU: `--enable-torch-compile`), or cannot be read
     (then assumed to); `device_copy.DeferredHostCopier` says why it matters."""
@@ -369,9 +379,13 @@ class CaptureHook:
         except (SpoolDirectoryError, OSError) as error:
             self._disable(str(error))
             return
+        # A group of one rank has no peer to check: its sender then skips the check (a glob of the stats folder,
+        # ~1 ms of CPU a second on an idle sender here) and sleeps while nothing changes (`Sender._write_stats`).
+        peer_ranks = _parallel_width("attn_tp_size") * _parallel_width("attn_cp_size") - 1
+        self.stats.set("peer_ranks", peer_ranks)
         self.sender = Sender(settings=self._settings, model=model, stats=self.stats, spool=spool,
                              stats_path=self._settings.stats_path or spool.directory / "stats.json",
-                             every_second=self._check_peers)
+                             every_second=self._check_peers if peer_ranks else None)
         self._assembler = CaptureAssembler(stats=self.stats, emit=self.sender.submit, selector=self.selector,
                                            partial_ttl_s=self._settings.partial_ttl_s, copier=copier,
                                            served_draft=self.served_draft,
