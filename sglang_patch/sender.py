@@ -217,6 +217,12 @@ class Sender:
         self._retry_at = 0.0
         self._backoff_s = 0.5
         self._stats_written_at = 0.0
+        self._changes_written = -1
+        """The stats' change count the file holds (`CaptureStats.snapshot_and_changes`)."""
+        self._quiet_written = False
+        """Whether the file holds a quiet snapshot (see `_write_stats`)."""
+        self._cpu_counted_ns = 0
+        """The sender thread's CPU clock when its CPU was last counted (`_count_cpu`)."""
         self._logged_summary = ""
         self._logged_at = time.monotonic()
         self.num_encode_threads = settings.sender_threads or default_encode_threads(model.raw_bytes_per_token)
@@ -275,14 +281,18 @@ class Sender:
         except OSError as error:
             logger.warning("eagle-tap: could not lower the sender thread's priority: %s", error)
 
+    def _count_cpu(self) -> None:
+        """Counts the sender thread's own CPU since the last count (collecting, HTTP, spool, the stats file)."""
+        now_ns = time.thread_time_ns()
+        self._stats.add("sender_cpu_ns", now_ns - self._cpu_counted_ns, bookkeeping=True)
+        self._cpu_counted_ns = now_ns
+
     def _run(self) -> None:
         self._lower_priority()
-        cpu_ns = time.thread_time_ns()
+        self._cpu_counted_ns = time.thread_time_ns()
         pending: collections.deque[list[_Job]] = collections.deque()  # batches handed to the encoders, oldest first
         while True:
-            now_cpu_ns = time.thread_time_ns()  # the sender thread's own CPU: collecting, HTTP, spool
-            self._stats.add("sender_cpu_ns", now_cpu_ns - cpu_ns)
-            cpu_ns = now_cpu_ns
+            self._count_cpu()
             batch, stopping = self._next_batch(wait=not pending)
             try:
                 started = self._start_encoding(batch)
@@ -325,14 +335,23 @@ class Sender:
                 batch_bytes += captured.raw_nbytes
             return batch, self._stopping
 
-    def _idle_wait_s(self) -> float:
-        """How long an idle sender sleeps: until its stats file is due (once a second) or the spool may be sent
-        again, whichever comes first. A wake-up costs the thread CPU whatever it finds; at a low sampling rate
-        the sender is idle most of the time (it woke twice a second before: ~0.85 ms of CPU a second idle)."""
+    def _idle_wait_s(self) -> float | None:
+        """How long an idle sender sleeps (under the condition's lock): until its stats file is due (once a
+        second) or the spool may be sent again, whichever comes first; None (until woken) once the file holds a
+        quiet snapshot and nothing changed since: the next change (`CaptureStats.call_on_change`), a capture or
+        `close` wakes it. A wake-up costs the thread CPU whatever it finds (0.3-0.6 ms here; an idle sender woke
+        once a second, twice before that); at a low sampling rate the sender is idle most of the time."""
+        if self._quiet_written and self._stats.call_on_change(self._wake, self._changes_written):
+            return None
         due = self._stats_written_at + _STATS_EVERY_S
         if len(self._spool):
             due = min(due, self._retry_at)
         return min(max(due - time.monotonic(), 0.01), _STATS_EVERY_S)
+
+    def _wake(self) -> None:
+        """The stats changed while the sender slept quiet (called on the changing thread: only a notify)."""
+        with self._condition:
+            self._condition.notify()
 
     def _start_encoding(self, batch: list[CapturedSequence]) -> list[_Job]:
         """Hands a batch's captures to the encoder threads, except closing records, which need the digest of
@@ -354,7 +373,7 @@ class Sender:
         finally:
             self._release(captured)
             if on_encoder:  # the sender thread's own CPU is counted by its loop
-                self._stats.add("sender_cpu_ns", time.thread_time_ns() - cpu_ns)
+                self._stats.add("sender_cpu_ns", time.thread_time_ns() - cpu_ns, bookkeeping=True)
 
     def _release(self, captured: CapturedSequence) -> None:
         captured.release()
@@ -482,8 +501,13 @@ class Sender:
         return verdicts
 
     def _write_stats(self) -> None:
+        """Rewrites the stats file once a second, marked quiet when nothing changed since the last write and
+        nothing is queued, in flight or spooled: then the sender sleeps until the next change (`_idle_wait_s`),
+        and writes nothing more until then; the first change after it is written at once (a reader takes a quiet
+        snapshot as current). Never quiet where ranks are checked (`every_second`): that check runs each second."""
         now = time.monotonic()
-        if now - self._stats_written_at >= _STATS_EVERY_S:
+        quiet_stale = self._quiet_written and self._stats.changes != self._changes_written
+        if quiet_stale or now - self._stats_written_at >= _STATS_EVERY_S:
             self._stats_written_at = now
             if self._every_second is not None:
                 self._every_second()
@@ -491,7 +515,14 @@ class Sender:
             self._stats.set("spool_bytes", self._spool.num_bytes)
             with self._condition:
                 self._stats.set("inflight_bytes", self._inflight_bytes)
-            self._stats_file.write(self._stats.snapshot())
+                idle = not self._queue and self._inflight_bytes == 0
+            self._count_cpu()
+            snapshot, changes = self._stats.snapshot_and_changes()
+            quiet = (idle and changes == self._changes_written and self._every_second is None
+                     and not len(self._spool))
+            if not (quiet and self._quiet_written):  # a quiet file stays as it is until the next change
+                self._stats_file.write({**snapshot, "quiet": quiet})
+            self._changes_written, self._quiet_written = changes, quiet
         if now - self._logged_at >= _LOG_EVERY_S:
             self._logged_at = now
             summary = self._stats.summary()

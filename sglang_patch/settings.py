@@ -90,9 +90,10 @@ class CaptureSettings(BaseSettings):
     host_buffer_bytes: int = Field(default=2 << 30, ge=1)
     """On CUDA: pinned host memory for device copies in flight; past it captures are dropped and counted."""
     stats_path: Path | None = None
-    """JSON file the counters are written to about once a second, in place; default `<spool_dir>/dp<rank>/stats.json`.
-    A read that met a rewrite has `snapshot` != `snapshot_end` (or does not parse): read it again, as
-    `sglang_patch.stats.read_stats_file` does."""
+    """JSON file the counters are written to about once a second while they change, in place; default
+    `<spool_dir>/dp<rank>/stats.json`. A read that met a rewrite has `snapshot` != `snapshot_end` (or does not
+    parse): read it again, as `sglang_patch.stats.read_stats_file` does. `"quiet": true`: the sender is idle and
+    nothing changed since; the file is rewritten at the next change."""
 
     @field_validator("collector_url")
     @classmethod

@@ -1,8 +1,12 @@
 """Counters of the capture plugin, shared by the forward hook and the sender thread.
 
-Written as JSON to a stats file about once a second (`StatsFile`: in place, each snapshot numbered at its
-start and its end so a reader can tell a torn read) that clients and tests read (`read_stats_file`), and
-logged periodically. Drop reasons are open-ended strings so each path names its own.
+Written as JSON to a stats file about once a second while they change (`StatsFile`: in place, each snapshot
+numbered at its start and its end so a reader can tell a torn read) that clients and tests read
+(`read_stats_file`), and logged periodically. Drop reasons are open-ended strings so each path names its own.
+
+A snapshot marked `"quiet": true` says its writer is idle and nothing changed for a second before it: the
+writer sleeps until the next change (`CaptureStats.call_on_change`) and rewrites the file then, so the
+snapshot stays current however old its `updated_at` is (an idle replica's sender does not wake at all).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from capture_format.files import write_file_atomically
@@ -22,12 +27,15 @@ _TORN_READS_RETRIED = 100
 
 def read_stats_file(path: Path, *, newer_than: float | None = None, timeout_s: float = 10.0) -> dict:
     """The counters a stats file holds ({} while there is none). With newer_than (a `time.time()`), waits up
-    to timeout_s for a snapshot written after it, since the file is rewritten only about once a second. A read
-    that met a rewrite in place (`StatsFile`) is read again; ValueError if the file never reads whole."""
+    to timeout_s for a snapshot written after it, since the file is rewritten only about once a second, or for
+    a quiet one (current until the next change: see the module docstring; a change just before newer_than may
+    take its writer a wake-up, ~1 ms, to show). A read that met a rewrite in place (`StatsFile`) is read again;
+    ValueError if the file never reads whole."""
     deadline = time.monotonic() + timeout_s
     while True:
         stats = _read_whole(path)
-        if newer_than is None or stats.get("updated_at", 0) > newer_than or time.monotonic() > deadline:
+        if (newer_than is None or stats.get("updated_at", 0) > newer_than or stats.get("quiet")
+                or time.monotonic() > deadline):
             return stats
         time.sleep(0.2)
 
@@ -97,20 +105,64 @@ class StatsFile:
 
 
 class CaptureStats:
-    """Thread-safe counters; `snapshot()` is what the stats file holds."""
+    """Thread-safe counters; `snapshot()` is what the stats file holds.
+
+    Every change is counted (`changes`), except a writer's own bookkeeping (`add(..., bookkeeping=True)`: the
+    sender's CPU) and a gauge set to the value it has, so the sender can tell that nothing happened since it
+    wrote the file and sleep until something does (`call_on_change`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: collections.Counter[str] = collections.Counter()
         self._dropped: collections.Counter[str] = collections.Counter()
         self._texts: dict[str, str] = {}
+        self._changes = 0
+        self._on_change: Callable[[], None] | None = None
+        """Called once, after the lock is released, at the next change (`call_on_change`)."""
         self.started_at = time.time()
-        self.status = "starting"
-        """What this process is doing: `starting`, `capturing` or `dormant: <why>`."""
+        self._status = "starting"
 
-    def add(self, name: str, amount: int = 1) -> None:
+    @property
+    def status(self) -> str:
+        """What this process is doing: `starting`, `capturing` or `dormant: <why>`."""
+        return self._status
+
+    @status.setter
+    def status(self, value: str) -> None:
+        with self._lock:
+            self._status = value
+            wake = self._changed()
+        if wake is not None:
+            wake()
+
+    def _changed(self) -> Callable[[], None] | None:
+        """Under the lock: counts a change; returns the waiting callback (taken), to call once the lock is released."""
+        self._changes += 1
+        wake, self._on_change = self._on_change, None
+        return wake
+
+    @property
+    def changes(self) -> int:
+        """Changes counted so far (see the class docstring)."""
+        return self._changes
+
+    def call_on_change(self, callback: Callable[[], None], since: int) -> bool:
+        """Has callback called (once, on the changing thread, outside the lock) at the next change, unless the
+        stats changed already since `since` (a count from `snapshot_and_changes`): then False, and nothing set.
+        The callback must be cheap and must not wait: the forward hook's thread may be the one to call it."""
+        with self._lock:
+            if self._changes != since:
+                return False
+            self._on_change = callback
+            return True
+
+    def add(self, name: str, amount: int = 1, *, bookkeeping: bool = False) -> None:
+        """Adds to a count; `bookkeeping`: the writer's own (its CPU), not a change (see the class docstring)."""
         with self._lock:
             self._counts[name] += amount
+            wake = None if bookkeeping else self._changed()
+        if wake is not None:
+            wake()
 
     def add_hook_time(self, wall_ns: int, cpu_ns: int, calls: int = 1) -> None:
         """Hook calls' time on the scheduler's thread (`hook_ns`, `hook_cpu_ns`, `hook_calls`): after a forward,
@@ -121,39 +173,63 @@ class CaptureStats:
             counts["hook_ns"] += wall_ns
             counts["hook_cpu_ns"] += cpu_ns
             counts["hook_calls"] += calls
+            wake = self._changed()
+        if wake is not None:
+            wake()
 
     def add_many(self, *counts: tuple[str, int]) -> None:
         """Several counts under one lock (name, amount); an amount of 0 adds no name."""
+        wake = None
         with self._lock:
             for name, amount in counts:
                 if amount:
                     self._counts[name] += amount
+                    wake = self._changed() or wake
+        if wake is not None:
+            wake()
 
     def set(self, name: str, value: int) -> None:
-        """A gauge: the current value, not a count."""
+        """A gauge: the current value, not a count (set to the value it has: no change)."""
         with self._lock:
+            if name in self._counts and self._counts[name] == value:
+                return
             self._counts[name] = value
+            wake = self._changed()
+        if wake is not None:
+            wake()
 
     def set_text(self, name: str, value: str) -> None:
         """A text gauge (e.g. a digest), shown as it is."""
         with self._lock:
+            if self._texts.get(name) == value:
+                return
             self._texts[name] = value
+            wake = self._changed()
+        if wake is not None:
+            wake()
 
     def drop(self, reason: str) -> None:
         with self._lock:
             self._dropped[reason] += 1
+            wake = self._changed()
+        if wake is not None:
+            wake()
 
     def snapshot(self) -> dict:
+        return self.snapshot_and_changes()[0]
+
+    def snapshot_and_changes(self) -> tuple[dict, int]:
+        """The snapshot, and the count of changes it holds (for `call_on_change`)."""
         with self._lock:
             return {
                 "pid": os.getpid(),
-                "status": self.status,
+                "status": self._status,
                 "started_at": self.started_at,
                 "updated_at": time.time(),
                 **{name: self._counts[name] for name in sorted(self._counts)},
                 **dict(sorted(self._texts.items())),
                 "dropped": dict(sorted(self._dropped.items())),
-            }
+            }, self._changes
 
     def summary(self) -> str:
         """One log line: what was captured, where it went, and what was dropped why."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import time
 
+from sglang_patch import sender as sender_module
 from sglang_patch.sender import ModelIdentity, Sender
 from sglang_patch.settings import CaptureSettings
 from sglang_patch.spool import Spool
-from sglang_patch.stats import CaptureStats
+from sglang_patch.stats import CaptureStats, read_stats_file
 from test_collector_support import TOKEN, ThreadedCollector
 from test_plugin_hostile_collector import captured
 
@@ -125,3 +126,42 @@ def test_the_sender_thread_yields_the_cpu_to_serving(tmp_path) -> None:
             finally:
                 sender.close()
     assert os.getpriority(os.PRIO_PROCESS, 0) == base  # only the sender's own thread
+
+
+def test_an_idle_sender_marks_its_stats_quiet_and_sleeps_until_something_changes(tmp_path, monkeypatch) -> None:
+    """Nothing queued and nothing changed for a second: the stats file says so (`quiet`) and the sender thread
+    sleeps, writing nothing, until a change wakes it; a reader asking for a fresh snapshot takes a quiet one."""
+    monkeypatch.setattr(sender_module, "_STATS_EVERY_S", 0.2)
+    path = tmp_path / "stats.json"
+
+    def file_once(condition, what: str) -> dict:
+        deadline = time.monotonic() + 10
+        while not condition(stats := read_stats_file(path)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert condition(stats), f"the stats file never showed {what}: {stats}"
+        return stats
+
+    with ThreadedCollector(data_dir=tmp_path / "data") as collector:
+        sender, stats, _ = start_sender(tmp_path, collector.url, batch_max_age_s=0.0)
+        try:
+            quiet = file_once(lambda read: read.get("quiet"), "a quiet snapshot")
+            cpu_ns = stats.snapshot()["sender_cpu_ns"]
+            time.sleep(1.0)  # five periods of the file
+            assert read_stats_file(path)["snapshot"] == quiet["snapshot"], "a quiet file is not rewritten"
+            assert stats.snapshot()["sender_cpu_ns"] == cpu_ns, "the sleeping sender thread ran"
+            started = time.monotonic()
+            assert read_stats_file(path, newer_than=time.time())["snapshot"] == quiet["snapshot"]
+            assert time.monotonic() - started < 0.5, "a quiet snapshot is current: no wait for a newer one"
+
+            monkeypatch.setattr(sender_module, "_STATS_EVERY_S", 30.0)
+            changed = time.monotonic()
+            stats.add("captured")  # the forward hook's thread, say
+            woken = file_once(lambda read: read.get("captured") == 1, "the change")
+            assert time.monotonic() - changed < 1.0, "the change after a quiet snapshot is written at once"
+            assert woken["quiet"] is False and woken["snapshot"] > quiet["snapshot"]
+            monkeypatch.setattr(sender_module, "_STATS_EVERY_S", 0.2)
+            sender.submit(captured("after-quiet"))
+            sent = file_once(lambda read: read.get("sent") == 1 and read.get("quiet"), "the capture sent, then quiet")
+            assert sent["inflight_bytes"] == 0 and collector.store.lookup("after-quiet") is not None
+        finally:
+            sender.close()

@@ -107,6 +107,7 @@ def check_ranks(sender: dict, peer: dict, collector, before: dict) -> None:
     meanwhile is one rank 0 counts (shared blocks it holds already are answered as duplicates)."""
     assert sender["dropped"] == {} and sender["status"] == "capturing"
     assert sender["captured"] == len(requests(0))
+    assert sender["peer_ranks"] == 1 and not sender["quiet"]  # the rank's check runs each second: never quiet
     assert peer["status"].startswith("not sending: attention-TP rank 1") and peer["dropped"] == {}
     assert peer.get("sent", 0) == peer.get("captured", 0) == 0
     assert peer["decisions"] == sender["decisions"] >= DECISION_CHECKPOINT
