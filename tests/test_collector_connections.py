@@ -1,13 +1,16 @@
 """Connection limits of the real collector process: stalled headers are closed, huge headers refused fast; an idle
-collector wakes once a second, and a signal still stops it at once."""
+collector does not wake, its answers still carry the date, and a stop still stops it at once."""
 
 from __future__ import annotations
 
+import email.utils
 import signal
 import socket
 import time
 import urllib.request
 from pathlib import Path
+
+import pytest
 
 from collector_service import quiet_server
 from eagle_tap.testbed.collector_process import CollectorProcess
@@ -54,21 +57,32 @@ def _voluntary_switches(pid: int) -> int:
     raise AssertionError("no voluntary_ctxt_switches in /proc")
 
 
-def test_an_idle_collector_wakes_once_a_second(tmp_path: Path) -> None:
+def _answer_date(url: str) -> float:
+    with urllib.request.urlopen(f"{url}/healthz", timeout=5) as response:
+        assert response.status == 200
+        return email.utils.parsedate_to_datetime(response.headers["Date"]).timestamp()
+
+
+def test_an_idle_collector_does_not_wake_and_its_answers_carry_the_date(tmp_path: Path) -> None:
     collector = CollectorProcess(tmp_path / "data")
     try:
+        first = _answer_date(collector.url)
+        assert abs(first - time.time()) < 5
         time.sleep(0.5)
         before = _voluntary_switches(collector.process.pid)
         time.sleep(3.0)
         woken = _voluntary_switches(collector.process.pid) - before
-        assert woken <= 9, f"the idle event loop woke {woken} times in 3 s (uvicorn's own loop: 30)"
+        assert woken <= 1, f"the idle event loop woke {woken} times in 3 s (ticking once a second: 3; uvicorn: 30)"
+        assert _answer_date(collector.url) >= first + 3, "the Date header is the answer's, not the last tick's"
     finally:
         collector.stop()
     assert collector.process.returncode == -signal.SIGTERM  # uvicorn re-raises the signal once it has shut down
 
 
-def test_a_stop_signal_wakes_the_quiet_server_at_once(monkeypatch) -> None:
-    """handle_exit (uvicorn's signal handler) wakes the loop: with a tick of a minute the server still stops at once."""
+@pytest.mark.parametrize("stop", ["signal", "should_exit"])
+def test_a_stop_wakes_the_quiet_server_at_once(stop: str) -> None:
+    """handle_exit (uvicorn's signal handler) and should_exit set on another thread wake the loop, which
+    otherwise sleeps: the server stops at once."""
     import asyncio
     import threading
 
@@ -80,7 +94,6 @@ def test_a_stop_signal_wakes_the_quiet_server_at_once(monkeypatch) -> None:
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
 
-    monkeypatch.setattr(quiet_server, "TICK_S", 60.0)
     listener = socket.create_server(("127.0.0.1", 0))
     server = quiet_server.QuietServer(uvicorn.Config(app, lifespan="on", log_level="warning"))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[listener])), daemon=True)
@@ -91,9 +104,12 @@ def test_a_stop_signal_wakes_the_quiet_server_at_once(monkeypatch) -> None:
     assert server.started
     time.sleep(0.2)  # into the tick's wait
     started = time.monotonic()
-    server.handle_exit(signal.SIGTERM, None)
+    if stop == "signal":
+        server.handle_exit(signal.SIGTERM, None)
+    else:
+        server.should_exit = True
     thread.join(20)
-    assert not thread.is_alive() and time.monotonic() - started < 15, "the server slept through its stop signal"
+    assert not thread.is_alive() and time.monotonic() - started < 15, "the server slept through its stop"
 
 
 def test_healthz_reports_a_folder_that_stopped_taking_writes() -> None:
