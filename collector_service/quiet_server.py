@@ -2,10 +2,9 @@
 
 Why: uvicorn's `Server.main_loop` wakes every 0.1 s (a tick refreshes the Date header once a second and
 checks whether to exit). Each wake-up costs the event loop's thread CPU whatever it finds: 0.1-0.2 ms on
-an earlier machine, 0.3-1.2 ms on one whose idle wake-ups cost that much (an idle collector here spent
-1.3 ms of CPU a second ticking once a second), on the cores the capturing servers share. A collector beside
-a replica sampling 10% of its traffic is idle most of the time, and its ticks were much of what it spent per
-captured token. So nothing ticks:
+an earlier machine, 0.3-1.2 ms on a later one (where an idle collector ticking once a second spent 1.3-2.2 ms
+of CPU a second), on the cores the capturing servers share. A collector beside a replica sampling a little of
+its traffic is idle most of the time, and should cost nothing then. So nothing ticks:
 - the Date header is put on each response as it starts (`DatedResponses`; formatted at most once a second),
   instead of being refreshed by the tick (uvicorn's own is turned off);
 - setting `should_exit` (uvicorn's signal handler does, for SIGINT and SIGTERM; so may a caller on any
