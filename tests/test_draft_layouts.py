@@ -4,7 +4,8 @@
 DeepSeek-V3, and on the tiny Kimi-K2.5 (`KimiK25ForConditionalGeneration`) with half the conversations
 sending an image. A capture server with the plugin and a real collector, `fire --regenerate`, one vocab
 mapping, the Llama and the MLA draft trained, evaluated and exported, then each served by its own SGLang
-server beside a draftless one, on the held-out conversations (their images sent along).
+server, on the held-out conversations (their images sent along), its answers compared with the capture
+server's (draftless; it captures nothing then).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ mapping, seed, data order and steps: train, `eval` on the held-out records, expo
 EAGLE-3 on the held-out prompts. Reported per layout: trainable parameters, the draft's KV cache bytes per
 token (bf16), the last logged training loss, the simulated acceptance (every position, and the served walk:
 the positions a served chain reaches) and SGLang's served acceptance at the same chain length, and whether
-every served output equals the no-draft server's.
+every served output equals the no-draft server's (the capture server, kept up and its radix cache
+flushed: a plugin that captures nothing changes no answer).
 
 With images (kimi_k25 only): every conversation is cut to its first exchange and half of them (alternate
 blocks of 8) send an image (made here from a seed) with the user turn, so the draft trains on text and image records alike; the held-out
@@ -133,36 +134,42 @@ def conversations(config: Config, out: Path) -> dict[str, list[dict[str, Any]]]:
     return {"train": [row for number, row in enumerate(rows, 1) if number % 8], "heldout": rows[7::8]}
 
 
-def capture(config: Config, target: Path, out: Path) -> dict[str, Path]:
-    """Training and held-out shards of the target's own answers, captured by a CPU server with the plugin;
-    the fired conversations are written to out/data/{train,heldout}.jsonl."""
+def start_capture_server(stack: ExitStack, config: Config, target: Path, out: Path, port: int, token: str):
+    """The CPU server with the plugin, sending to a collector on `port`; stopped when `stack` closes. It stays up
+    after the capture as the draftless server the drafts' answers are compared with (a plugin that captures
+    nothing changes no answer, and one server start less keeps the suite's two runs of this bench short)."""
+    from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer
+
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    return stack.enter_context(SGLangServer(ServerConfig(
+        model_path=target, extra_args=server_args(config),
+        env={"EAGLE_TAP_COLLECTOR_URL": f"http://127.0.0.1:{port}", "EAGLE_TAP_TOKEN": token,
+             "EAGLE_TAP_SPOOL_DIR": str(out / "spool")}, log_path=out / "logs" / "sglang-capture.log")))
+
+
+def capture(config: Config, target: Path, out: Path, server_url: str, port: int, token: str) -> dict[str, Path]:
+    """Training and held-out shards of the target's own answers, captured by the server at `server_url` (the
+    plugin's collector on `port`, `token`); the fired conversations are written to out/data/{train,heldout}.jsonl."""
     from client.endpoints import HttpConfig
     from client.fire import FireConfig, run_fire
     from client.regenerate import SamplingConfig
 
     from eagle_tap.demo.run import start_collector, stop_collector
-    from eagle_tap.serve.sglang_server import ServerConfig, SGLangServer, free_port
 
     data = conversations(config, out)
-    token, port = secrets.token_hex(16), free_port()
     remote_code = config.arch == "kimi_k25"
-    (out / "logs").mkdir(parents=True, exist_ok=True)
     shards = {}
-    with ExitStack() as stack:
-        server = stack.enter_context(SGLangServer(ServerConfig(
-            model_path=target, extra_args=server_args(config),
-            env={"EAGLE_TAP_COLLECTOR_URL": f"http://127.0.0.1:{port}", "EAGLE_TAP_TOKEN": token,
-                 "EAGLE_TAP_SPOOL_DIR": str(out / "spool")}, log_path=out / "logs" / "sglang-capture.log")))
-        for name, part in data.items():
-            shards[name] = out / "captures" / name
+    for name, part in data.items():
+        shards[name] = out / "captures" / name
+        with ExitStack() as stack:
             collector = start_collector(stack, shards[name], port, token)
             path = out / "data" / f"{name}.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("".join(json.dumps(row) + "\n" for row in part), encoding="utf-8")
             exit_code = run_fire(FireConfig(
-                server_url=server.url, collector_url=collector.url, data_path=path, run_dir=out / "runs" / f"fire-{name}",
-                mode="regenerate", run_id=f"layouts-{name}", concurrency=8, collector_token=token,
-                tokenizer_path=str(target), trust_remote_code=remote_code,
+                server_url=server_url, collector_url=collector.url, data_path=path,
+                run_dir=out / "runs" / f"fire-{name}", mode="regenerate", run_id=f"layouts-{name}", concurrency=8,
+                collector_token=token, tokenizer_path=str(target), trust_remote_code=remote_code,
                 sampling=SamplingConfig(temperature=config.train_temperature if name == "train" else 0.0,
                                         max_new_tokens=config.max_new_tokens),
                 http=HttpConfig(max_connections=20)))
@@ -170,6 +177,14 @@ def capture(config: Config, target: Path, out: Path) -> dict[str, Path]:
                 raise RuntimeError(f"fire of the {name} conversations exited with {exit_code}; see {out / 'runs'}")
             stop_collector(collector, token)
     return shards
+
+
+def flush_cache(server_url: str) -> None:
+    """Empties the server's radix cache, so that its answers are computed as a fresh server's would be."""
+    import urllib.request
+
+    with urllib.request.urlopen(urllib.request.Request(f"{server_url}/flush_cache", method="POST"), timeout=60) as reply:
+        reply.read()
 
 
 def heldout_kinds(shard_dir: Path, out: Path) -> dict[str, Path]:
@@ -232,13 +247,17 @@ def train_layout(config: Config, target: Path, layout: str, shards: dict[str, Pa
 def run(config: Config) -> dict[str, Any]:
     from eagle_tap.serve.draft import SpeculativeConfig
     from eagle_tap.serve.evaluate import generate_with_and_without, load_prompts, prompts_from_shards, summarize
+    from eagle_tap.serve.sglang_server import free_port
     from eagle_tap.testbed.tiny_model import random
     from trainer.vocab import build_vocab_mapping
 
-    with tempfile.TemporaryDirectory(prefix="eagle-tap-bench-layouts-", dir=config.work_dir) as work:
+    with tempfile.TemporaryDirectory(prefix="eagle-tap-bench-layouts-", dir=config.work_dir) as work, \
+            ExitStack() as stack:
         out = Path(work)
         target = random.build(random.Config(arch=config.arch, lm_head_scale=config.lm_head_scale), out / "target")
-        shards = capture(config, target, out)
+        token, port = secrets.token_hex(16), free_port()
+        capture_server = start_capture_server(stack, config, target, out, port, token)
+        shards = capture(config, target, out, capture_server.url, port, token)
         mapping, _ = build_vocab_mapping(target_dir=target, draft_vocab_size=config.draft_vocab_size,
                                          out_dir=out / "vocab", shard_dir=shards["train"], if_fewer="shrink")
         config_used = Config(**{**asdict(config), "draft_vocab_size": int(mapping.d2t.size)})
@@ -253,9 +272,10 @@ def run(config: Config) -> dict[str, Any]:
                           if kind == "all" or (kind == "image") == bool(prompt.images)] for kind in kinds}
         speculative = {layout: SpeculativeConfig(draft_dir=item["folder"], num_steps=config.served_steps)
                        for layout, item in layouts.items()}
+        flush_cache(capture_server.url)  # the held-out prompts were answered there during the capture
         runs, mismatches = generate_with_and_without(
             target, prompts, speculative, max_new_tokens=config.served_max_new_tokens, log_dir=out / "logs",
-            server_args=server_args(config), log=lambda line: None)
+            urls={"baseline": capture_server.url}, server_args=server_args(config), log=lambda line: None)
     rows = []
     for layout, item in layouts.items():
         for kind, indices in of_kind.items():
