@@ -28,7 +28,10 @@ import tempfile
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from eagle_tap.serve.sglang_server import SGLangServer
 
 LAYOUTS = ("llama", "mla")
 COLUMNS = [
@@ -134,7 +137,8 @@ def conversations(config: Config, out: Path) -> dict[str, list[dict[str, Any]]]:
     return {"train": [row for number, row in enumerate(rows, 1) if number % 8], "heldout": rows[7::8]}
 
 
-def start_capture_server(stack: ExitStack, config: Config, target: Path, out: Path, port: int, token: str):
+def start_capture_server(stack: ExitStack, config: Config, target: Path, out: Path, port: int,
+                         token: str) -> SGLangServer:
     """The CPU server with the plugin, sending to a collector on `port`; stopped when `stack` closes. It stays up
     after the capture as the draftless server the drafts' answers are compared with (a plugin that captures
     nothing changes no answer, and one server start less keeps the suite's two runs of this bench short)."""
