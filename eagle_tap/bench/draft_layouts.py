@@ -183,14 +183,6 @@ def capture(config: Config, target: Path, out: Path, server_url: str, port: int,
     return shards
 
 
-def flush_cache(server_url: str) -> None:
-    """Empties the server's radix cache, so that its answers are computed as a fresh server's would be."""
-    import urllib.request
-
-    with urllib.request.urlopen(urllib.request.Request(f"{server_url}/flush_cache", method="POST"), timeout=60) as reply:
-        reply.read()
-
-
 def heldout_kinds(shard_dir: Path, out: Path) -> dict[str, Path]:
     """{"image": ids file, "text": ids file} of the held-out records with and without image positions."""
     import capture_format as cf
@@ -251,6 +243,7 @@ def train_layout(config: Config, target: Path, layout: str, shards: dict[str, Pa
 def run(config: Config) -> dict[str, Any]:
     from eagle_tap.serve.draft import SpeculativeConfig
     from eagle_tap.serve.evaluate import generate_with_and_without, load_prompts, prompts_from_shards, summarize
+    from eagle_tap.serve.http_api import flush_cache
     from eagle_tap.serve.sglang_server import free_port
     from eagle_tap.testbed.tiny_model import random
     from trainer.vocab import build_vocab_mapping

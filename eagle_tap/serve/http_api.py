@@ -1,13 +1,13 @@
 """The calls eagle-tap makes to SGLang's HTTP API outside the client's own (`client/endpoints.py`, async): JSON
-POSTs (`/generate`, the weight-update session), SGLang's weights checksums and its tensor-parallel size. Standard
-library only."""
+POSTs (`/generate`, the weight-update session), flushing its radix cache, SGLang's weights checksums and its
+tensor-parallel size. Standard library only."""
 
 from __future__ import annotations
 
 import json
 import urllib.request
 
-__all__ = ["post_json", "tp_size", "weights_checksum", "weights_checksums_by_rank"]
+__all__ = ["flush_cache", "post_json", "tp_size", "weights_checksum", "weights_checksums_by_rank"]
 
 
 def post_json(url: str, payload: dict, timeout_s: float = 120) -> dict:
@@ -16,6 +16,13 @@ def post_json(url: str, payload: dict, timeout_s: float = 120) -> dict:
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
         return json.loads(response.read())
 
+
+
+def flush_cache(url: str, timeout_s: float = 60) -> None:
+    """Empties a server's radix cache (`/flush_cache`), so that its answers are computed as a fresh server's would
+    be; SGLang answers 400 (an HTTPError here) while requests run."""
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/flush_cache", method="POST"), timeout=timeout_s) as reply:
+        reply.read()
 
 def weights_checksum(url: str, selector: str) -> str:
     """SGLang's checksum of a replica's target or draft weights."""
