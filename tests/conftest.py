@@ -10,6 +10,7 @@ A test's tier comes from its module: its name for e2e, what its source starts fo
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -63,6 +64,32 @@ def pytest_configure(config: pytest.Config) -> None:
     if worker.startswith("gw") and count:
         # Workers start servers side by side: each picks ports from its own share (children inherit it).
         os.environ[FREE_PORT_SHARE_VARIABLE] = f"{int(worker[2:]) % int(count)}/{count}"
+        global _TORCH_THREADS
+        _TORCH_THREADS = max(1, len(os.sched_getaffinity(0)) // int(count))
+        _set_torch_threads()
+
+
+_TORCH_THREADS: int | None = None
+"""Torch's intra-op threads in this worker (None: torch's default, all cores): the worker's share of the cores.
+Two workers on 2 cores each spinning two OpenMP threads slow each other's small matmuls down several times: 60
+steps of the tiny model's draft took 55 s with two threads and 23 with one beside a busy two-thread process (11
+and 15 alone). Servers and other child processes keep their own settings."""
+
+
+def _set_torch_threads() -> None:
+    if _TORCH_THREADS is None:
+        return
+    import torch
+
+    if torch.get_num_threads() != _TORCH_THREADS:
+        torch.set_num_threads(_TORCH_THREADS)
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    # A test that sets its own thread count (`trainer.train` with `num_threads`, a reference forward) leaves it
+    # set: the next test gets the worker's share again.
+    if "torch" in sys.modules:
+        _set_torch_threads()
 
 
 # Runs after pytest's reordering by fixture parameters (a plugin registered later, so called first) and before
