@@ -64,16 +64,21 @@ def pytest_configure(config: pytest.Config) -> None:
     if worker.startswith("gw") and count:
         # Workers start servers side by side: each picks ports from its own share (children inherit it).
         os.environ[FREE_PORT_SHARE_VARIABLE] = f"{int(worker[2:]) % int(count)}/{count}"
+        # The worker's share of the cores for OpenMP, here and in every process it starts (SGLang servers, the
+        # demo, the trainer's CLI): see _TORCH_THREADS. An OMP_NUM_THREADS set by whoever runs the suite stays.
         global _TORCH_THREADS
-        _TORCH_THREADS = max(1, len(os.sched_getaffinity(0)) // int(count))
+        share = max(1, len(os.sched_getaffinity(0)) // int(count))
+        _TORCH_THREADS = int(os.environ.setdefault("OMP_NUM_THREADS", str(share)))
         _set_torch_threads()
 
 
 _TORCH_THREADS: int | None = None
-"""Torch's intra-op threads in this worker (None: torch's default, all cores): the worker's share of the cores.
-Two workers on 2 cores each spinning two OpenMP threads slow each other's small matmuls down several times: 60
-steps of the tiny model's draft took 55 s with two threads and 23 with one beside a busy two-thread process (11
-and 15 alone). Servers and other child processes keep their own settings."""
+"""Torch's intra-op threads in this worker and its children (None: torch's default, all cores): the worker's share
+of the cores. Two workers on 2 cores each spinning two OpenMP threads slow each other down several times: 60 steps
+of the tiny model's draft took 55 s with two threads and 23 with one beside a busy two-thread process (11 and 15
+alone). A CPU SGLang server without AMX takes torch's default, all cores: a tiny target's server answered 32
+requests of 48 tokens in 130-158 s with two threads beside that process and in 4.3-4.7 s with one beside a
+one-thread one (3.8-4.5 and 3.5-4.5 alone)."""
 
 
 def _set_torch_threads() -> None:
