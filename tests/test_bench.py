@@ -99,6 +99,21 @@ def test_report_json_round_trips_and_markdown_has_a_row_per_item(report: dict, t
     assert "| raw | 1.000 |" in markdown
 
 
+def test_a_figure_that_could_not_be_measured_is_written_as_null_and_the_rest_is_kept(report: dict,
+                                                                                    tmp_path: Path) -> None:
+    # spec-capture's per-token figures at 10% are NaN when no request was sampled (a short run): bench.json refused
+    # them and the whole run's results were lost.
+    report = json.loads(json.dumps(report))
+    report["benchmarks"]["trainer"]["summary"]["unmeasured"] = {"per_token_us": [float("nan"), 1.5, float("inf")]}
+    report["benchmarks"]["trainer"]["rows"][0]["records_s"] = float("nan")
+    json_path, markdown_path = write_report(report, tmp_path)
+    loaded = json.loads(json_path.read_text())
+    assert loaded["benchmarks"]["trainer"]["summary"]["unmeasured"] == {"per_token_us": [None, 1.5, None]}
+    assert loaded["benchmarks"]["trainer"]["rows"][0]["records_s"] is None
+    assert loaded["benchmarks"]["codecs"] == report["benchmarks"]["codecs"]
+    assert markdown_path.read_text() == render_markdown(loaded)
+
+
 def test_a_failing_benchmark_is_reported_and_the_run_goes_on(tmp_path: Path) -> None:
     report = run_benchmarks(["codecs", "trainer"], configs={"codecs": codecs.Config(source="no-such-source"),
                                                             "trainer": TRAINER}, log=lambda line: None)

@@ -12,6 +12,7 @@ import datetime
 import importlib
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import subprocess
@@ -182,10 +183,24 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def write_report(report: dict[str, Any], out_dir: str | Path) -> tuple[Path, Path]:
-    """Writes bench.json and bench.md into out_dir (created if missing); returns their paths."""
+    """Writes bench.json and bench.md into out_dir (created if missing); returns their paths. A figure that could
+    not be measured (NaN or infinite: no captured token at a low sampling rate, say) is written as null, shown as
+    "-", so that JSON stays standard and the run's other figures are kept."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, markdown_path = out_dir / "bench.json", out_dir / "bench.md"
+    report = _finite_or_none(report)
     json_path.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n", encoding="utf-8")
     markdown_path.write_text(render_markdown(report), encoding="utf-8")
     return json_path, markdown_path
+
+
+def _finite_or_none(value: Any) -> Any:
+    """value with every non-finite float in it (nested dicts, lists, tuples) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(item) for item in value]
+    return value
