@@ -278,7 +278,7 @@ def test_live_sampling_on_a_draft_serving_replica(servers, collector, tiny_model
     system = "You answer questions about the notes below.\n" + "".join(f"note {i}: item {i} costs {3 * i}\n" for i in range(24))
     rids = [f"spec-{index:02d}" for index in range(24)]
     sampled = [rid for rid in rids if is_sampled(rid, LIVE_RATE)]
-    assert len(sampled) == 4  # crc32 of these ids: fixed
+    assert len(sampled) == 4  # xxh3 of these ids (`is_sampled`): fixed
 
     def one(rid: str) -> dict:
         messages = [{"role": "system", "content": system}, {"role": "user", "content": f"What does item {rid[-2:]} cost?"}]
