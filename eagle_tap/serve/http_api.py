@@ -17,12 +17,12 @@ def post_json(url: str, payload: dict, timeout_s: float = 120) -> dict:
         return json.loads(response.read())
 
 
-
 def flush_cache(url: str, timeout_s: float = 60) -> None:
     """Empties a server's radix cache (`/flush_cache`), so that its answers are computed as a fresh server's would
     be; SGLang answers 400 (an HTTPError here) while requests run."""
     with urllib.request.urlopen(urllib.request.Request(f"{url}/flush_cache", method="POST"), timeout=timeout_s) as reply:
         reply.read()
+
 
 def weights_checksum(url: str, selector: str) -> str:
     """SGLang's checksum of a replica's target or draft weights."""
